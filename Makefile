@@ -1,0 +1,29 @@
+# Two commands do the whole set-up on a fresh machine (Python 3.11 and pip):
+#   make demo   the main job on the tiny default world (CPU is fine)
+#   make test   the test suite (what CI runs); `make test-all` adds the slow end-to-end tests
+# Both create .venv/ and install the requirements on first use (tools/install.sh).
+PY := .venv/bin/python
+
+.PHONY: install demo test test-all data model clean
+
+install:
+	@bash tools/install.sh
+
+demo: install
+	$(PY) evaluate.py --model models/tiny-math --data data/toy_math/test.jsonl
+
+test: install
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: install
+	$(PY) -m pytest -q
+
+# Rebuild the committed tiny world from its seeds (no run needs this).
+data: install
+	$(PY) tools/toy_math.py
+
+model: install
+	$(PY) tools/build_tiny_model.py
+
+clean:
+	rm -rf .venv runs .pytest_cache

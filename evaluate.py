@@ -1,0 +1,153 @@
+"""Evaluate a model on GSM8K-format problems with the training rewards.
+
+    python evaluate.py --model models/tiny-math --data data/toy_math/test.jsonl
+    python evaluate.py --model runs/demo/final --data data/toy_math/test.jsonl --temperature 1.0 --samples 4 --json
+
+Greedy decoding by default. Generates with vLLM when it is installed (fast, batched),
+otherwise with transformers' generate (KV cache on). Each completion is scored by
+rewards.py, the same code training uses, and the script prints a small table; with
+--json it also prints one last line {"accuracy": a, "format_rate": f, "n": n, ...}.
+With K samples per problem at T > 0 the rates are over all n*K samples and pass@k is
+the fraction of problems with at least one correct sample.
+"""
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from data import chat_prompt, load_jsonl
+from rewards import reference_answer, score
+
+
+@dataclass
+class EvalConfig:
+    model: str = "models/tiny-math"  # HF model directory
+    data: str = "data/toy_math/test.jsonl"  # GSM8K-format JSONL
+    n: int = 0  # evaluate the first n problems (0: all)
+    temperature: float = 0.0  # 0: greedy
+    samples: int = 1  # completions per problem (needs temperature > 0 when > 1)
+    max_new_tokens: int = 64
+    backend: str = "auto"  # auto (vllm if installed, else hf), vllm or hf
+    seed: int = 0
+    json: bool = False  # print one last JSON line with the figures
+
+
+def hf_generate(model, tokenizer, prompts, *, samples=1, temperature=0.0, max_new_tokens=64,
+                batch_size=128, progress=True):
+    """Completions [[str] * samples] * len(prompts) with transformers' generate (KV cache)."""
+    tokenizer.padding_side = "left"  # generation continues at the right end of every row
+    flat = [p for p in prompts for _ in range(samples)]
+    texts, lengths = [], []
+    batches = range(0, len(flat), batch_size)
+    for start in tqdm(batches, desc="generate (hf)", disable=not progress, leave=False):
+        enc = tokenizer(flat[start:start + batch_size], return_tensors="pt", padding=True,
+                        add_special_tokens=False).to(model.device)
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) \
+            if temperature > 0 else dict(do_sample=False)
+        with torch.inference_mode():
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, use_cache=True,
+                                 eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id, **sampling)
+        completion_ids = out[:, enc["input_ids"].shape[1]:]
+        for row in completion_ids.tolist():
+            # keep tokens up to the first eos; pad after it is not part of the completion
+            if tokenizer.eos_token_id in row:
+                row = row[:row.index(tokenizer.eos_token_id) + 1]
+            lengths.append(len(row))
+            texts.append(tokenizer.decode(row, skip_special_tokens=True))
+    return _regroup(texts, samples), _regroup(lengths, samples)
+
+
+def vllm_generate(model_dir, prompts, *, samples=1, temperature=0.0, max_new_tokens=64, seed=0):
+    """The same with vLLM (in-process engine on CPU: starts in seconds)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, seed=seed,
+              max_model_len=512, gpu_memory_utilization=0.3)
+    params = SamplingParams(n=samples, temperature=temperature, top_p=1.0, top_k=0 if temperature > 0 else -1,
+                            max_tokens=max_new_tokens, seed=seed)
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    texts = [[c.text for c in o.outputs] for o in outputs]
+    lengths = [[len(c.token_ids) for c in o.outputs] for o in outputs]
+    return texts, lengths
+
+
+def _regroup(flat, k):
+    return [flat[i:i + k] for i in range(0, len(flat), k)]
+
+
+def summarize(problems, completions, lengths):
+    """Rates over all completions: accuracy, format_rate, pass_at_k and more."""
+    scores = [[score(c, reference_answer(p["answer"])) for c in cs] for p, cs in zip(problems, completions)]
+    flat = [s for row in scores for s in row]
+    in_format = [s for s in flat if s["format"] == 1.0]
+    return {
+        "accuracy": sum(s["correctness"] for s in flat) / len(flat),
+        "format_rate": sum(s["format"] for s in flat) / len(flat),
+        # accuracy among completions that are in format: arithmetic, with format factored out
+        "accuracy_in_format": sum(s["correctness"] for s in in_format) / max(len(in_format), 1),
+        "pass_at_k": sum(any(s["correctness"] for s in row) for row in scores) / len(scores),
+        "mean_tokens": sum(sum(r) for r in lengths) / len(flat),
+        "n": len(problems),
+        "samples": len(completions[0]),
+    }
+
+
+def print_table(metrics, title):
+    print(f"\n{title}")
+    print(f"{'metric':<20}{'value':>10}")
+    for key, value in metrics.items():
+        print(f"{key:<20}{value:>10.3f}" if isinstance(value, float) else f"{key:<20}{value:>10}")
+
+
+def evaluate(cfg: EvalConfig):
+    if cfg.samples > 1 and cfg.temperature <= 0:
+        raise SystemExit("--samples > 1 needs --temperature > 0 (greedy samples are all the same)")
+    if not os.path.isdir(cfg.model):
+        raise SystemExit(f"model directory {cfg.model!r} not found")
+    problems = load_jsonl(cfg.data)
+    problems = problems[:cfg.n] if cfg.n > 0 else problems
+    backend = cfg.backend
+    if backend == "auto":
+        try:
+            import vllm  # noqa: F401
+            backend = "vllm"
+        except ImportError:
+            backend = "hf"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    prompts = [chat_prompt(tokenizer, p["question"]) for p in problems]
+    t0 = time.time()
+    if backend == "vllm":
+        completions, lengths = vllm_generate(cfg.model, prompts, samples=cfg.samples,
+                                             temperature=cfg.temperature,
+                                             max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    elif backend == "hf":
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).eval()
+        completions, lengths = hf_generate(model, tokenizer, prompts, samples=cfg.samples,
+                                           temperature=cfg.temperature,
+                                           max_new_tokens=cfg.max_new_tokens)
+    else:
+        raise SystemExit(f"unknown --backend {cfg.backend!r}: use auto, vllm or hf")
+    metrics = summarize(problems, completions, lengths)
+    metrics["seconds"] = round(time.time() - t0, 1)
+    if cfg.samples == 1:
+        metrics.pop("pass_at_k")
+    mode = "greedy" if cfg.temperature <= 0 else f"T={cfg.temperature}, {cfg.samples} samples"
+    print_table(metrics, f"{cfg.model} on {cfg.data} ({mode}, {backend})")
+    if cfg.json:
+        print(json.dumps(metrics))
+    return metrics
+
+
+if __name__ == "__main__":
+    from transformers import HfArgumentParser
+    (config,) = HfArgumentParser(EvalConfig).parse_args_into_dataclasses(args=sys.argv[1:])
+    evaluate(config)
