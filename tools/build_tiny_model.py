@@ -50,8 +50,9 @@ class BuildConfig:
     batch_size: int = 64
     lr: float = 2e-3
     max_steps: int = 3000
-    eval_every: int = 200
-    target_accuracy: float = 0.38  # stop at the first checkpoint with dev greedy accuracy >= this
+    eval_every: int = 50
+    eval_start: int = 600  # no point looking earlier: accuracy is near 0 until then
+    target_accuracy: float = 0.37  # stop at the first checkpoint with dev greedy accuracy >= this
     in_format_share: float = 0.55  # share of supervised targets written in format
 
 
@@ -156,7 +157,7 @@ def main(cfg: BuildConfig):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step(), sched.step(), opt.zero_grad(set_to_none=True)
         bar.set_postfix(loss=f"{loss.item():.3f}")
-        if step % cfg.eval_every:
+        if step % cfg.eval_every or step < cfg.eval_start:
             continue
         model.eval()
         completions, lengths = hf_generate(model, tokenizer, dev_prompts, progress=False)
