@@ -1,0 +1,90 @@
+"""The GRPO math, written once and imported by both trainers and the reference server.
+
+For each prompt we sample a group of G completions, score them, and push up the
+log-probability of the better-than-average ones (Shao et al. 2024, DeepSeekMath):
+
+    A_i      = (r_i - mean(r_group)) / (std(r_group) + eps)                   group-relative advantage
+    ratio_t  = exp(logp_t - old_logp_t)                                        importance ratio per token
+    L_clip_t = -min(ratio_t * A, clip(ratio_t, 1 - epsilon, 1 + epsilon_high) * A)
+    KL_t     = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                     k3 estimator, >= 0
+    loss     = mean over sequences of [ mean over completion tokens of (L_clip_t + beta * KL_t) ]
+"""
+import torch
+
+
+def selective_log_softmax(logits, token_ids, temperature=1.0, chunk_size=8):
+    """log softmax(logits / temperature)[token_ids], (B, T, V), (B, T) -> (B, T).
+
+    Computed as gathered logit minus a row logsumexp, a few rows at a time, so the
+    full (B, T, V) log-softmax is never held in memory at once. Dividing by the sampling
+    temperature makes these the log-probs of the distribution the tokens were drawn from."""
+    out = []
+    for rows, ids in zip(logits.split(chunk_size), token_ids.split(chunk_size)):
+        rows = rows.float() / temperature
+        out.append(rows.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(rows, dim=-1))
+    return torch.cat(out)
+
+
+def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, temperature=1.0):
+    """Per-token log-probs of the completion tokens under `model`, (B, C).
+
+    prompt_ids (B, P) are left-padded, completion_ids (B, C) right-padded; positions
+    count real tokens only, as in generation, so the numbers match the sampler's."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False).logits
+    # the logit at position t predicts token t+1: keep those that predict completion tokens
+    logits = logits[:, prompt_ids.size(1) - 1:-1]
+    return selective_log_softmax(logits, completion_ids, temperature)
+
+
+def completion_mask(completion_ids, eos_token_id):
+    """1 for tokens up to and including the first EOS, 0 after it, (B, C).
+
+    By position, not by token id: EOS itself is trained even when pad == eos, and a
+    completion cut off without EOS keeps all its tokens."""
+    is_eos = completion_ids == eos_token_id
+    T = completion_ids.size(1)
+    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], T, dtype=torch.long))
+    return (torch.arange(T, device=completion_ids.device)[None, :] <= first_eos[:, None]).float()
+
+
+def group_advantages(rewards, group_size, eps=1e-4):
+    """(r - mean_group) / (std_group + eps) for rewards (B,) laid out group after group."""
+    r = rewards.view(-1, group_size)
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).view(-1)
+
+
+def grpo_loss(logps, old_logps, ref_logps, advantages, completion_mask, *, beta=0.04,
+              epsilon=0.2, epsilon_high=None, loss_type="grpo"):
+    """The GRPO loss and its diagnostics. Shapes: (B, C) except advantages (B,).
+
+    Argument names follow TRL's GRPOConfig. old_logps are the log-probs under the policy
+    that sampled the tokens (logps.detach() when that policy is the current one: ratio 1,
+    gradient -A * grad logp). ref_logps may be None when beta == 0."""
+    if loss_type != "grpo":
+        raise ValueError(f"unknown loss_type {loss_type!r}: this version has 'grpo'")
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    mask = completion_mask
+    A = advantages[:, None]
+    ratio = torch.exp(logps - old_logps)
+    clipped_ratio = ratio.clamp(1 - epsilon, 1 + epsilon_high)
+    per_token = -torch.min(ratio * A, clipped_ratio * A)
+    kl = torch.zeros_like(logps)
+    if beta != 0.0:
+        delta = ref_logps - logps
+        kl = torch.exp(delta) - delta - 1  # k3: unbiased for KL(policy || ref), always >= 0
+        per_token = per_token + beta * kl
+    # "grpo": average over each sequence's own tokens, then over sequences
+    tokens = mask.sum(1).clamp(min=1)
+    loss = ((per_token * mask).sum(1) / tokens).mean()
+
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1)
+        was_clipped = ((ratio < 1 - epsilon) & (A < 0)) | ((ratio > 1 + epsilon_high) & (A > 0))
+        stats = {"kl": ((kl * mask).sum() / n).item(),
+                 "clip_fraction": ((was_clipped.float() * mask).sum() / n).item(),
+                 "ratio_mean": ((ratio * mask).sum() / n).item()}
+    return loss, stats

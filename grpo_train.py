@@ -1,0 +1,248 @@
+"""grpo_train.py: the simplest complete GRPO trainer.
+
+    python ref_server.py &          # the frozen reference model, 127.0.0.1:59875
+    python grpo_train.py            # tiny default model and toy task, on CPU
+    deepspeed grpo_train.py --model Qwen/Qwen2.5-0.5B --data gsm8k_train.jsonl
+
+Every step, in order:
+  1. sample `batch_prompts` problems and generate `num_generations` completions for each
+     with the policy itself (transformers generate, KV cache, temperature sampling);
+  2. score them (rewards.py) and form group-relative advantages; groups whose rewards
+     are all equal teach nothing (every advantage is 0) and are dropped;
+  3. post the groups to the reference server and take them back with reference log-probs;
+  4. compute the GRPO loss (grpo_math.py) and take an optimizer step with DeepSpeed.
+It writes one JSON line per step to runs/NAME/metrics.jsonl, HF checkpoints to
+runs/NAME/step_N/, and the curves to runs/NAME/curves.png.
+"""
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import requests
+import torch
+from tqdm import tqdm
+
+from data import chat_prompt, load_jsonl
+from grpo_math import completion_mask, group_advantages, grpo_loss, sequence_logps  # noqa: F401
+from protocol import decode, encode
+from rewards import reference_answer, score
+
+
+@dataclass
+class Config:
+    model: str = "models/tiny-math"  # policy initialisation (HF directory or hub name)
+    data: str = "data/toy_math/train.jsonl"  # GSM8K-format JSONL
+    ref_url: str = "http://127.0.0.1:59875"  # the reference server (python ref_server.py)
+    run_name: str = "demo"  # outputs go to runs/RUN_NAME/
+    seed: int = 0
+    steps: int = 200
+    batch_prompts: int = 8  # problems per step
+    num_generations: int = 8  # completions per problem (the group size G)
+    max_new_tokens: int = 48
+    temperature: float = 1.0  # sampling temperature; log-probs use the same one
+    lr: float = 5e-4
+    beta: float = 0.04  # weight of the KL penalty to the reference model
+    epsilon: float = 0.2  # PPO clip range: ratio in [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: float = 0.2
+    loss_type: str = "grpo"
+    correctness_weight: float = 1.0  # reward = correctness_weight * correct + format_weight * in_format
+    format_weight: float = 0.5
+    save_every: int = 100  # steps between checkpoints (and one at the end)
+    zero_stage: int = 0  # DeepSpeed ZeRO stage (0-3)
+    threads: int = 2  # CPU threads for torch
+    ref_timeout: float = 120.0  # seconds to wait for the reference server before giving up
+    local_rank: int = -1  # set by the deepspeed launcher
+
+
+# ---------------------------------------------------------------------------- rollouts
+def generate(model, tokenizer, prompts, cfg):
+    """Sample G completions per prompt. Returns prompt_ids (Q, P) left-padded with its mask,
+    and completion_ids (Q*G, C) right-padded with pad, group after group."""
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left",
+                    add_special_tokens=False).to(model.device)
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0,
+                             max_new_tokens=cfg.max_new_tokens, num_return_sequences=cfg.num_generations,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                             use_cache=True)
+    model.train()
+    return enc["input_ids"], enc["attention_mask"], out[:, enc["input_ids"].size(1):]
+
+
+def score_groups(completions, problems, cfg):
+    """rewards (Q*G,) and the per-completion scores, for completions grouped by problem."""
+    weights = {"correctness": cfg.correctness_weight, "format": cfg.format_weight}
+    scores = [score(text, reference_answer(problems[i // cfg.num_generations]["answer"]), weights)
+              for i, text in enumerate(completions)]
+    return torch.tensor([s["reward"] for s in scores]), scores
+
+
+# ---------------------------------------------------------------------------- the reference server
+def ref_request(cfg, method, path, **kwargs):
+    """One HTTP call to the reference server, with a clear error when it is not there."""
+    try:
+        return requests.request(method, cfg.ref_url + path, timeout=cfg.ref_timeout, **kwargs)
+    except requests.ConnectionError:
+        raise SystemExit(f"ref server at {cfg.ref_url} is not answering: is `python ref_server.py` "
+                         f"running?") from None
+
+
+def get_ref_logps(cfg, groups):
+    """Post each group, take the finished groups back (FIFO) with ref_logps added."""
+    for tensors, meta in groups:
+        while (r := ref_request(cfg, "POST", "/upload", data=encode(tensors, meta))).status_code == 503:
+            time.sleep(0.1)  # queue full: back off
+        if r.status_code != 200:
+            raise SystemExit(f"ref server refused a group: HTTP {r.status_code} {r.text[:200]}")
+    finished, deadline = [], time.time() + cfg.ref_timeout
+    while len(finished) < len(groups):
+        r = ref_request(cfg, "GET", "/get", params={"wait": 2})
+        if r.status_code == 200:
+            finished.append(decode(r.content)[0])
+        elif time.time() > deadline:
+            raise SystemExit(f"ref server at {cfg.ref_url} returned {len(finished)}/{len(groups)} groups "
+                             f"in {cfg.ref_timeout:.0f} s: is it still working? (see its log)")
+    return finished
+
+
+def collate(groups, pad_id):
+    """One batch from finished groups: prompts left-padded, completions right-padded, (B, ...)."""
+    P = max(g["prompt_ids"].numel() for g in groups)
+    C = max(g["completion_ids"].size(1) for g in groups)
+    rows = {k: [] for k in ("prompt_ids", "prompt_mask", "completion_ids", "ref_logps", "advantages")}
+    for g in groups:
+        G, p, c = g["completion_ids"].size(0), g["prompt_ids"], g["completion_ids"]
+        rows["prompt_ids"].append(torch.cat([torch.full((P - p.numel(),), pad_id), p]).expand(G, -1))
+        rows["prompt_mask"].append(torch.cat([torch.zeros(P - p.numel()), torch.ones(p.numel())]).expand(G, -1))
+        rows["completion_ids"].append(torch.nn.functional.pad(c, (0, C - c.size(1)), value=pad_id))
+        rows["ref_logps"].append(torch.nn.functional.pad(g["ref_logps"], (0, C - c.size(1))))
+        rows["advantages"].append(g["advantages"])
+    batch = {k: torch.cat(v) for k, v in rows.items()}
+    batch["prompt_mask"] = batch["prompt_mask"].long()
+    return batch
+
+
+# ---------------------------------------------------------------------------- logging
+def plot_curves(metrics_path, out_png):
+    """The run's curves, one panel per diagnostic, from metrics.jsonl."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f]
+    keys = ["reward_mean", "accuracy", "format_rate", "kl", "completion_len", "zero_var_frac"]
+    fig, axes = plt.subplots(2, 3, figsize=(12, 6))
+    for ax, key in zip(axes.flat, keys):
+        ax.plot([r["step"] for r in rows], [r[key] for r in rows])
+        ax.set_title(key)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=80)
+    plt.close(fig)
+
+
+def setup_distributed():
+    """Let plain `python grpo_train.py` run as a one-process DeepSpeed job."""
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    # keep DeepSpeed's compiled ops between runs (the first build takes about a minute)
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                               ".cache", "torch_extensions"))
+
+
+# ---------------------------------------------------------------------------- training
+def main(cfg: Config):
+    ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent
+    setup_distributed()
+    import deepspeed
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    torch.set_num_threads(cfg.threads)
+    random.seed(cfg.seed), torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    problems = load_jsonl(cfg.data)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+    ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                 "gradient_clipping": 1.0, "zero_optimization": {"stage": cfg.zero_stage},
+                 "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "betas": [0.9, 0.99],
+                                                           "weight_decay": 0.0, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+
+    run_dir = os.path.join("runs", cfg.run_name)
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump(asdict(cfg), f, indent=1)
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    open(metrics_path, "w").close()
+    G = cfg.num_generations
+
+    bar = tqdm(range(1, cfg.steps + 1), desc="grpo")
+    for step in bar:
+        t0 = time.time()
+        # 1. rollouts from the current policy
+        batch_problems = rng.sample(problems, cfg.batch_prompts)
+        prompts = [chat_prompt(tokenizer, p["question"]) for p in batch_problems]
+        prompt_ids, prompt_mask, completion_ids = generate(engine.module, tokenizer, prompts, cfg)
+        mask = completion_mask(completion_ids, tokenizer.eos_token_id)
+        texts = tokenizer.batch_decode(completion_ids * mask.long() + tokenizer.pad_token_id * (1 - mask.long()),
+                                       skip_special_tokens=True)
+        gen_s = time.time() - t0
+
+        # 2. rewards and group-relative advantages; drop groups with no reward variance
+        rewards, scores = score_groups(texts, batch_problems, cfg)
+        advantages = group_advantages(rewards, G)
+        has_signal = rewards.view(-1, G).std(1) > 0
+        groups = []
+        for q in torch.nonzero(has_signal).flatten().tolist():
+            rows = slice(q * G, (q + 1) * G)
+            c = completion_ids[rows][:, :int(mask[rows].sum(1).max())]  # trim common padding
+            groups.append(({"prompt_ids": prompt_ids[q][prompt_mask[q].bool()], "completion_ids": c,
+                            "rewards": rewards[rows].float(), "advantages": advantages[rows].float()},
+                           {"policy_version": step, "temperature": cfg.temperature}))
+
+        # 3.-4. reference log-probs from the server, then the GRPO update
+        stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 1.0}
+        if groups:
+            batch = collate(get_ref_logps(cfg, groups), tokenizer.pad_token_id)
+            batch_mask = completion_mask(batch["completion_ids"], tokenizer.eos_token_id)
+            logps = sequence_logps(engine, batch["prompt_ids"], batch["prompt_mask"],
+                                   batch["completion_ids"], cfg.temperature)
+            loss, stats = grpo_loss(logps, logps.detach(), batch["ref_logps"], batch["advantages"], batch_mask,
+                                    beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+                                    loss_type=cfg.loss_type)
+            engine.backward(loss)
+            engine.step()
+            stats["loss"] = loss.item()
+
+        # log what we measured
+        step_s = time.time() - t0
+        record = {"step": step, "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
+                  "accuracy": sum(s["correctness"] for s in scores) / len(scores),
+                  "format_rate": sum(s["format"] for s in scores) / len(scores),
+                  **stats, "completion_len": mask.sum(1).mean().item(),
+                  "zero_var_frac": 1 - has_signal.float().mean().item(),
+                  "tokens_per_s": mask.sum().item() / gen_s, "gen_s": gen_s, "step_s": step_s}
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()}) + "\n")
+        bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['accuracy']:.2f}",
+                        fmt=f"{record['format_rate']:.2f}", kl=f"{record['kl']:.3f}")
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            engine.module.save_pretrained(os.path.join(run_dir, f"step_{step}"))
+            tokenizer.save_pretrained(os.path.join(run_dir, f"step_{step}"))
+
+    plot_curves(metrics_path, os.path.join(run_dir, "curves.png"))
+    print(f"done: {run_dir}/step_{cfg.steps} ({run_dir}/metrics.jsonl, {run_dir}/curves.png)")
+
+
+if __name__ == "__main__":
+    from transformers import HfArgumentParser
+    (config,) = HfArgumentParser(Config).parse_args_into_dataclasses()
+    main(config)

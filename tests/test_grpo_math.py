@@ -1,0 +1,103 @@
+"""grpo_math.py: the loss, advantages, masks and log-probs against hand computations."""
+import math
+
+import pytest
+import torch
+
+from grpo_math import completion_mask, group_advantages, grpo_loss, selective_log_softmax
+
+
+def test_loss_equals_a_hand_computed_value():
+    logps = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -9.0]])
+    old = torch.tensor([[-1.1, -1.5, -0.5], [-0.3, -1.0, -9.0]])
+    ref = torch.tensor([[-1.0, -2.5, -0.4], [-0.5, -1.2, -9.0]])
+    adv = torch.tensor([1.0, -2.0])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    beta, eps = 0.1, 0.2
+
+    def token_loss(lp, o, r, a):
+        ratio = math.exp(lp - o)
+        clipped = min(max(ratio, 1 - eps), 1 + eps)
+        d = r - lp
+        return -min(ratio * a, clipped * a) + beta * (math.exp(d) - d - 1)
+
+    seq0 = sum(token_loss(*v, 1.0) for v in zip(logps[0].tolist(), old[0].tolist(), ref[0].tolist())) / 3
+    seq1 = sum(token_loss(*v, -2.0) for v in zip(logps[1, :2].tolist(), old[1, :2].tolist(), ref[1, :2].tolist())) / 2
+    loss, stats = grpo_loss(logps, old, ref, adv, mask, beta=beta, epsilon=eps, epsilon_high=eps)
+    assert loss.item() == pytest.approx((seq0 + seq1) / 2, abs=1e-6)
+    # token (0, 1): ratio e^-0.5 < 0.8 with A > 0 is not clipped; token (1, 1): ratio e^-0.2 = 0.82 not clipped;
+    # token (0, 0): ratio e^0.1 = 1.105 inside the range: no token is clipped here
+    assert stats["clip_fraction"] == 0.0
+
+
+def test_clip_fraction_counts_tokens_where_the_clip_is_active():
+    logps = torch.tensor([[0.0, 0.0]])
+    old = torch.tensor([[-0.5, 0.5]])  # ratios e^0.5 = 1.65 (above) and e^-0.5 = 0.61 (below)
+    _, up = grpo_loss(logps, old, None, torch.tensor([1.0]), torch.ones(1, 2), beta=0.0, epsilon=0.2)
+    _, down = grpo_loss(logps, old, None, torch.tensor([-1.0]), torch.ones(1, 2), beta=0.0, epsilon=0.2)
+    assert up["clip_fraction"] == 0.5 and down["clip_fraction"] == 0.5
+
+
+def test_policy_equal_to_reference_and_behaviour_gives_ratio_one_and_zero_kl():
+    logps = torch.randn(4, 6).clamp(max=0)
+    loss, stats = grpo_loss(logps, logps.clone(), logps.clone(), torch.randn(4), torch.ones(4, 6), beta=0.04)
+    assert stats["ratio_mean"] == pytest.approx(1.0) and stats["kl"] == pytest.approx(0.0)
+
+
+def test_gradient_at_ratio_one_with_beta_zero_is_that_of_minus_advantage_times_logp():
+    torch.manual_seed(0)
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    adv = torch.tensor([0.5, -1.0, 2.0])
+    x = torch.randn(3, 4, requires_grad=True)
+    loss, _ = grpo_loss(x, x.detach(), None, adv, mask, beta=0.0)
+    (grad,) = torch.autograd.grad(loss, x)
+    y = x.detach().clone().requires_grad_(True)
+    expected = ((-adv[:, None] * y * mask).sum(1) / mask.sum(1)).mean()
+    (expected_grad,) = torch.autograd.grad(expected, y)
+    assert torch.allclose(grad, expected_grad, atol=1e-7)
+
+
+def test_groups_with_equal_rewards_contribute_no_gradient():
+    rewards = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.5])  # group 0 all equal
+    adv = group_advantages(rewards, group_size=4)
+    assert torch.all(adv[:4] == 0)
+    x = torch.randn(8, 5, requires_grad=True)
+    loss, _ = grpo_loss(x, x.detach(), None, adv, torch.ones(8, 5), beta=0.0)
+    loss.backward()
+    assert torch.all(x.grad[:4] == 0) and x.grad[4:].abs().sum() > 0
+
+
+def test_group_advantages_are_normalised_within_each_group():
+    rewards = torch.tensor([0.0, 1.0, 1.0, 2.0, 5.0, 5.0, 5.0, 9.0])
+    adv = group_advantages(rewards, group_size=4, eps=0.0).view(2, 4)
+    r = rewards.view(2, 4)
+    assert torch.allclose(adv, (r - r.mean(1, keepdim=True)) / r.std(1, keepdim=True))
+    assert torch.allclose(adv.mean(1), torch.zeros(2), atol=1e-6)
+
+
+def test_eos_is_inside_the_mask_and_what_follows_is_not():
+    eos, pad = 2, 0
+    ids = torch.tensor([[5, 6, eos, pad, pad], [5, eos, 7, eos, pad], [5, 6, 7, 8, 9]])
+    assert completion_mask(ids, eos).tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
+
+
+def test_eos_is_trained_even_when_pad_equals_eos():
+    eos = pad = 2
+    ids = torch.tensor([[5, 6, eos, pad, pad]])
+    assert completion_mask(ids, eos).tolist() == [[1, 1, 1, 0, 0]]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logps_equal_naive_log_softmax_gather(temperature):
+    torch.manual_seed(0)
+    logits = torch.randn(5, 7, 301) * 4
+    ids = torch.randint(0, 301, (5, 7))
+    naive = (logits / temperature).log_softmax(-1).gather(-1, ids[..., None])[..., 0]
+    chunked = selective_log_softmax(logits, ids, temperature, chunk_size=2)
+    assert torch.allclose(chunked, naive, atol=1e-6)
+
+
+def test_unknown_loss_type_is_an_error():
+    with pytest.raises(ValueError, match="loss_type"):
+        grpo_loss(torch.zeros(1, 1), torch.zeros(1, 1), None, torch.zeros(1), torch.ones(1, 1), beta=0.0,
+                  loss_type="nope")

@@ -1,0 +1,91 @@
+"""ref_server.py, live on loopback: reference log-probs equal a transformers forward; /get is FIFO."""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+import torch
+from transformers import AutoModelForCausalLM
+
+from protocol import decode, encode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = os.path.join(ROOT, "models", "tiny-math")
+
+
+@pytest.fixture(scope="module")
+def server():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "ref_server.py", "--port", str(port), "--model", MODEL], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if requests.get(url + "/health", timeout=1).json()["status"] == "ok":
+                break
+        except requests.ConnectionError:
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.3)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def group(seed, G=4, P=9, C=7):
+    g = torch.Generator().manual_seed(seed)
+    tensors = {"prompt_ids": torch.randint(3, 500, (P,), generator=g),
+               "completion_ids": torch.randint(3, 500, (G, C), generator=g),
+               "rewards": torch.rand(G, generator=g), "advantages": torch.randn(G, generator=g)}
+    return tensors, {"policy_version": seed, "temperature": 1.0}
+
+
+def take(url):
+    r = requests.get(url + "/get", params={"wait": 10}, timeout=30)
+    assert r.status_code == 200
+    return decode(r.content)
+
+
+def test_health_answers_json(server):
+    health = requests.get(server + "/health", timeout=5).json()
+    assert health["status"] == "ok" and "waiting" in health
+
+
+def test_ref_logps_equal_a_direct_transformers_forward(server):
+    tensors, meta = group(1)
+    assert requests.post(server + "/upload", data=encode(tensors, meta), timeout=30).status_code == 200
+    back, back_meta = take(server)
+    assert back_meta["policy_version"] == 1
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    P = tensors["prompt_ids"].numel()
+    ids = torch.cat([tensors["prompt_ids"].expand(4, -1), tensors["completion_ids"]], 1)
+    with torch.no_grad():
+        logits = model(ids).logits[:, P - 1:-1]
+    expected = logits.log_softmax(-1).gather(-1, tensors["completion_ids"][..., None])[..., 0]
+    assert back["ref_logps"].shape == (4, 7)
+    assert torch.allclose(back["ref_logps"], expected, atol=1e-5)
+    assert torch.equal(back["completion_ids"], tensors["completion_ids"])
+
+
+def test_get_is_first_in_first_out(server):
+    for seed in range(10, 16):
+        requests.post(server + "/upload", data=encode(*group(seed)), timeout=30).raise_for_status()
+    assert [take(server)[1]["policy_version"] for _ in range(6)] == list(range(10, 16))
+
+
+def test_get_with_nothing_ready_answers_204(server):
+    assert requests.get(server + "/get", timeout=5).status_code == 204
+
+
+def test_bad_upload_gets_400_with_a_reason(server):
+    tensors, meta = group(2)
+    tensors["completion_ids"][0, 0] = 10**6  # outside the vocabulary
+    r = requests.post(server + "/upload", data=encode(tensors, meta), timeout=30)
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]
+    r = requests.post(server + "/upload", data=b"\x80\x04pickle?", timeout=30)
+    assert r.status_code == 400
