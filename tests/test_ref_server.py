@@ -1,9 +1,5 @@
 """ref_server.py, live on loopback: reference log-probs equal a transformers forward; /get is FIFO."""
 import os
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
 import requests
@@ -11,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from protocol import decode, encode
+from tools.demo import free_port, start_ref_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "models", "tiny-math")
@@ -18,21 +15,9 @@ MODEL = os.path.join(ROOT, "models", "tiny-math")
 
 @pytest.fixture(scope="module")
 def server():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "ref_server.py", "--port", str(port), "--model", MODEL], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if requests.get(url + "/health", timeout=1).json()["status"] == "ok":
-                break
-        except requests.ConnectionError:
-            assert proc.poll() is None, proc.stdout.read()
-            time.sleep(0.3)
-    yield url
+    port = free_port()
+    proc = start_ref_server(port, dict(os.environ))  # the demo's own start-up: waits for /health
+    yield f"http://127.0.0.1:{port}"
     proc.terminate()
     proc.wait(timeout=30)
 
