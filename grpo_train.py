@@ -116,13 +116,11 @@ def collate(groups, pad_id):
     for g in groups:
         G, p, c = g["completion_ids"].size(0), g["prompt_ids"], g["completion_ids"]
         rows["prompt_ids"].append(torch.cat([torch.full((P - p.numel(),), pad_id), p]).expand(G, -1))
-        rows["prompt_mask"].append(torch.cat([torch.zeros(P - p.numel()), torch.ones(p.numel())]).expand(G, -1))
+        rows["prompt_mask"].append((torch.arange(P) >= P - p.numel()).long().expand(G, -1))
         rows["completion_ids"].append(torch.nn.functional.pad(c, (0, C - c.size(1)), value=pad_id))
         rows["ref_logps"].append(torch.nn.functional.pad(g["ref_logps"], (0, C - c.size(1))))
         rows["advantages"].append(g["advantages"])
-    batch = {k: torch.cat(v) for k, v in rows.items()}
-    batch["prompt_mask"] = batch["prompt_mask"].long()
-    return batch
+    return {k: torch.cat(v) for k, v in rows.items()}
 
 
 # ---------------------------------------------------------------------------- logging
