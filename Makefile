@@ -1,5 +1,5 @@
 # Two commands do the whole set-up on a fresh machine (Python 3.11 and pip):
-#   make demo   the main job on the tiny default world (CPU is fine)
+#   make demo   the main job: GRPO on the tiny default world, before/after (CPU is fine; SEED=1 for another seed)
 #   make test   the test suite (what CI runs); `make test-all` adds the slow end-to-end tests
 # Both create .venv/ and install the requirements on first use (tools/install.sh).
 PY := .venv/bin/python
@@ -9,8 +9,9 @@ PY := .venv/bin/python
 install:
 	@bash tools/install.sh
 
+SEED ?= 0
 demo: install
-	$(PY) evaluate.py --model models/tiny-math --data data/toy_math/test.jsonl
+	$(PY) tools/demo.py --seed $(SEED)
 
 test: install
 	$(PY) -m pytest -q -m "not slow"

@@ -44,6 +44,7 @@ class Config:
     temperature: float = 1.0  # sampling temperature; log-probs use the same one
     lr: float = 5e-5  # 5e-4 collapsed the tiny model in 80 steps (KL > 1, accuracy 0.44 -> 0.13)
     beta: float = 0.04  # weight of the KL penalty to the reference model
+    num_iterations: int = 1  # optimizer steps per batch of rollouts (TRL's num_iterations, PPO's epochs)
     epsilon: float = 0.2  # PPO clip range: ratio in [1 - epsilon, 1 + epsilon_high]
     epsilon_high: float = 0.2
     loss_type: str = "grpo"
@@ -109,14 +110,15 @@ def get_ref_logps(cfg, groups):
 
 
 def collate(groups, pad_id):
-    """One batch from finished groups: prompts left-padded, completions right-padded, (B, ...)."""
+    """One batch from finished groups: one left-padded prompt row per group (Q, P), and the
+    groups' completions right-padded, group after group (Q*G, C)."""
     P = max(g["prompt_ids"].numel() for g in groups)
     C = max(g["completion_ids"].size(1) for g in groups)
     rows = {k: [] for k in ("prompt_ids", "prompt_mask", "completion_ids", "ref_logps", "advantages")}
     for g in groups:
-        G, p, c = g["completion_ids"].size(0), g["prompt_ids"], g["completion_ids"]
-        rows["prompt_ids"].append(torch.cat([torch.full((P - p.numel(),), pad_id), p]).expand(G, -1))
-        rows["prompt_mask"].append((torch.arange(P) >= P - p.numel()).long().expand(G, -1))
+        p, c = g["prompt_ids"], g["completion_ids"]
+        rows["prompt_ids"].append(torch.cat([torch.full((P - p.numel(),), pad_id), p])[None])
+        rows["prompt_mask"].append((torch.arange(P) >= P - p.numel()).long()[None])
         rows["completion_ids"].append(torch.nn.functional.pad(c, (0, C - c.size(1)), value=pad_id))
         rows["ref_logps"].append(torch.nn.functional.pad(g["ref_logps"], (0, C - c.size(1))))
         rows["advantages"].append(g["advantages"])
@@ -211,13 +213,18 @@ def main(cfg: Config):
         if groups:
             batch = collate(get_ref_logps(cfg, groups), tokenizer.pad_token_id)
             batch_mask = completion_mask(batch["completion_ids"], tokenizer.eos_token_id)
-            logps = sequence_logps(engine, batch["prompt_ids"], batch["prompt_mask"],
-                                   batch["completion_ids"], cfg.temperature)
-            loss, stats = grpo_loss(logps, logps.detach(), batch["ref_logps"], batch["advantages"], batch_mask,
-                                    beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-                                    loss_type=cfg.loss_type)
-            engine.backward(loss)
-            engine.step()
+            # num_iterations > 1 takes several steps on the same rollouts (PPO's epochs): from the
+            # second on, the ratio to the sampling policy moves off 1 and the clip bounds the update
+            old_logps = None
+            for _ in range(cfg.num_iterations):
+                logps = sequence_logps(engine, batch["prompt_ids"], batch["prompt_mask"],
+                                       batch["completion_ids"], cfg.temperature)
+                old_logps = logps.detach() if old_logps is None else old_logps
+                loss, stats = grpo_loss(logps, old_logps, batch["ref_logps"], batch["advantages"], batch_mask,
+                                        beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+                                        loss_type=cfg.loss_type)
+                engine.backward(loss)
+                engine.step()
             stats["loss"] = loss.item()
 
         # log what we measured

@@ -42,8 +42,7 @@ def ref_worker(model, todo, done, device, stats):
     while True:
         tensors, meta = todo.get()
         try:
-            G = tensors["completion_ids"].size(0)
-            prompt = tensors["prompt_ids"].to(device).unsqueeze(0).expand(G, -1)
+            prompt = tensors["prompt_ids"].to(device).unsqueeze(0)  # one prompt, G completions
             with torch.inference_mode():
                 ref_logps = sequence_logps(model, prompt, torch.ones_like(prompt),
                                            tensors["completion_ids"].to(device),

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from grpo_math import completion_mask, group_advantages, grpo_loss, selective_log_softmax
+from grpo_math import completion_mask, group_advantages, grpo_loss, selective_log_softmax, sequence_logps
 
 
 def test_loss_equals_a_hand_computed_value():
@@ -101,3 +101,37 @@ def test_unknown_loss_type_is_an_error():
     with pytest.raises(ValueError, match="loss_type"):
         grpo_loss(torch.zeros(1, 1), torch.zeros(1, 1), None, torch.zeros(1), torch.ones(1, 1), beta=0.0,
                   loss_type="nope")
+
+
+def test_shared_prompt_logps_and_gradients_equal_one_forward_per_sequence():
+    """sequence_logps runs each prompt once and copies its KV cache to the G completions:
+    values and gradients must equal a plain forward over each left-padded prompt + completion."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained("models/tiny-math", dtype=torch.float32)
+    Q, G, P, C = 2, 3, 9, 5
+    prompt_ids = torch.randint(10, 500, (Q, P))
+    prompt_mask = torch.ones(Q, P, dtype=torch.long)
+    prompt_mask[1, :4] = 0  # the second prompt is shorter: left padding
+    completion_ids = torch.randint(10, 500, (Q * G, C))
+
+    shared = sequence_logps(model, prompt_ids, prompt_mask, completion_ids, temperature=0.7)
+    shared_grad = torch.autograd.grad(shared.sum(), model.model.embed_tokens.weight)[0]
+
+    naive = []
+    for i in range(Q * G):
+        real = prompt_ids[i // G][prompt_mask[i // G].bool()]
+        ids = torch.cat([real, completion_ids[i]])[None]
+        logits = model(ids).logits[:, real.numel() - 1:-1] / 0.7
+        naive.append(logits.log_softmax(-1).gather(-1, completion_ids[i][None, :, None])[..., 0])
+    naive = torch.cat(naive)
+    naive_grad = torch.autograd.grad(naive.sum(), model.model.embed_tokens.weight)[0]
+    assert shared.shape == (Q * G, C)
+    assert torch.allclose(shared, naive, atol=1e-5)
+    assert torch.allclose(shared_grad, naive_grad, atol=1e-4)
+
+
+def test_completions_must_split_evenly_over_prompts():
+    with pytest.raises(ValueError, match="per prompt"):
+        sequence_logps(None, torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long),
+                       torch.zeros(5, 4, dtype=torch.long))
