@@ -41,8 +41,10 @@ class Config:
     batch_prompts: int = 8  # problems per step
     num_generations: int = 8  # completions per problem (the group size G)
     max_new_tokens: int = 48
-    temperature: float = 1.0  # sampling temperature; log-probs use the same one
-    lr: float = 5e-5  # 5e-4 collapsed the tiny model in 80 steps (KL > 1, accuracy 0.44 -> 0.13)
+    # sampling temperature; log-probs use the same one. On the tiny model 0.7 beat 1.0 and 0.5
+    # (dev greedy accuracy after 150 steps: 0.434 vs 0.406; after 300: 0.48 vs 0.406 for 0.5)
+    temperature: float = 0.7
+    lr: float = 1e-4  # tiny model: 2e-4 learned slower and 5e-4 collapsed (KL > 1)
     beta: float = 0.04  # weight of the KL penalty to the reference model
     num_iterations: int = 1  # optimizer steps per batch of rollouts (TRL's num_iterations, PPO's epochs)
     epsilon: float = 0.2  # PPO clip range: ratio in [1 - epsilon, 1 + epsilon_high]
@@ -63,14 +65,20 @@ def generate(model, tokenizer, prompts, cfg):
     and completion_ids (Q*G, C) right-padded with pad, group after group."""
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left",
                     add_special_tokens=False).to(model.device)
+    ids, mask, G = enc["input_ids"], enc["attention_mask"], cfg.num_generations
     model.eval()
     with torch.no_grad():
-        out = model.generate(**enc, do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0,
-                             max_new_tokens=cfg.max_new_tokens, num_return_sequences=cfg.num_generations,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                             use_cache=True)
+        # the G samples of a prompt share it: run each prompt once (all but its last token, which
+        # generate feeds itself) and hand generate G copies of its KV cache
+        cache = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True,
+                      position_ids=(mask[:, :-1].cumsum(1) - 1).clamp(min=0)).past_key_values
+        cache.batch_repeat_interleave(G)
+        out = model.generate(input_ids=ids.repeat_interleave(G, 0), attention_mask=mask.repeat_interleave(G, 0),
+                             past_key_values=cache, do_sample=True, temperature=cfg.temperature, top_k=0,
+                             top_p=1.0, max_new_tokens=cfg.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id)
     model.train()
-    return enc["input_ids"], enc["attention_mask"], out[:, enc["input_ids"].size(1):]
+    return ids, mask, out[:, ids.size(1):]
 
 
 def score_groups(completions, problems, cfg):
@@ -144,6 +152,13 @@ def plot_curves(metrics_path, out_png):
     plt.close(fig)
 
 
+def grad_norm(engine):
+    """The gradients' 2-norm before clipping, where they sit whole on the parameters (ZeRO 0);
+    None under ZeRO 1-3, which partition them and keep the norm in the engine after step()."""
+    grads = [p.grad.norm() for p in engine.module.parameters() if p.grad is not None]
+    return torch.stack(grads).norm().item() if grads else None
+
+
 def setup_distributed():
     """Let plain `python grpo_train.py` run as a one-process DeepSpeed job."""
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
@@ -209,7 +224,7 @@ def main(cfg: Config):
                            {"policy_version": step, "temperature": cfg.temperature}))
 
         # 3.-4. reference log-probs from the server, then the GRPO update
-        stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 1.0}
+        stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 1.0, "grad_norm": 0.0}
         if groups:
             batch = collate(get_ref_logps(cfg, groups), tokenizer.pad_token_id)
             batch_mask = completion_mask(batch["completion_ids"], tokenizer.eos_token_id)
@@ -224,8 +239,10 @@ def main(cfg: Config):
                                         beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
                                         loss_type=cfg.loss_type)
                 engine.backward(loss)
+                norm = grad_norm(engine)
                 engine.step()
             stats["loss"] = loss.item()
+            stats["grad_norm"] = norm if norm is not None else float(engine.get_global_grad_norm() or 0.0)
 
         # log what we measured
         step_s = time.time() - t0

@@ -28,16 +28,19 @@ def test_without_a_ref_server_the_trainer_says_so():
 def test_three_steps_write_metrics_checkpoints_and_curves(server, tmp_path):  # noqa: F811
     run = "test_e2e"
     out = subprocess.run([sys.executable, "grpo_train.py", "--ref_url", server, "--steps", "3", "--save_every", "2",
-                          "--run_name", run, "--batch_prompts", "4"], cwd=ROOT, capture_output=True, text=True,
+                          "--run_name", run, "--batch_prompts", "4", "--num_iterations", "2"], cwd=ROOT, capture_output=True, text=True,
                          timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = os.path.join(ROOT, "runs", run)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    for key in ("reward_mean", "accuracy", "format_rate", "kl", "clip_fraction", "ratio_mean",
+    for key in ("reward_mean", "accuracy", "format_rate", "kl", "clip_fraction", "ratio_mean", "grad_norm",
                 "completion_len", "zero_var_frac", "tokens_per_s"):
         assert all(key in r for r in rows), key
-    assert any(r["zero_var_frac"] < 1 for r in rows)  # some group carried signal, so an update ran
+    trained = [r for r in rows if r["zero_var_frac"] < 1]
+    assert trained  # some group carried signal, so an update ran
+    # the second iteration on the same rollouts sees the policy the first one moved: ratio != 1
+    assert any(r["ratio_mean"] != 1.0 for r in trained)
     for step in (2, 3):
         assert os.path.exists(os.path.join(run_dir, f"step_{step}", "model.safetensors"))
     assert os.path.getsize(os.path.join(run_dir, "curves.png")) > 1000

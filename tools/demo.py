@@ -1,6 +1,6 @@
 """`make demo`: GRPO on the tiny default model, on CPU, with a before/after report.
 
-    python tools/demo.py [--seed 1] [--steps 150] [-- extra grpo_train.py flags]
+    python tools/demo.py [--seed 1] [--steps 450] [-- extra grpo_train.py flags]
 
 1. starts ref_server.py in the background and waits for its /health;
 2. evaluates the shipped model greedily on the held-out test split;
@@ -56,7 +56,7 @@ def evaluate(model_dir, env):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--steps", type=int, default=450)
     ap.add_argument("--run_name", default=None, help="default: demo_seedN")
     ap.add_argument("train_args", nargs="*", help="extra grpo_train.py flags, after --")
     args = ap.parse_args()
