@@ -143,9 +143,13 @@ def plot_curves(metrics_path, out_png):
         rows = [json.loads(line) for line in f]
     keys = ["reward_mean", "accuracy", "format_rate", "kl", "completion_len", "zero_var_frac"]
     fig, axes = plt.subplots(2, 3, figsize=(12, 6))
+    steps, w = [r["step"] for r in rows], max(1, min(20, len(rows) // 10))
     for ax, key in zip(axes.flat, keys):
-        ax.plot([r["step"] for r in rows], [r[key] for r in rows])
-        ax.set_title(key)
+        values = [r[key] for r in rows]
+        windows = [values[max(0, i - w + 1):i + 1] for i in range(len(values))]
+        ax.plot(steps, values, alpha=0.3, color="tab:blue")  # one step is only 64 samples: noisy
+        ax.plot(steps, [sum(v) / len(v) for v in windows], color="tab:blue")
+        ax.set_title(f"{key} (line: mean of last {w} steps)" if key == keys[0] else key)
         ax.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(out_png, dpi=80)
