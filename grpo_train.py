@@ -17,6 +17,7 @@ runs/NAME/step_N/, and the curves to runs/NAME/curves.png.
 import json
 import os
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass
 
@@ -197,6 +198,11 @@ def main(cfg: Config):
 
     run_dir = os.path.join("runs", cfg.run_name)
     os.makedirs(run_dir, exist_ok=True)
+    stale = [d for d in os.listdir(run_dir) if d.startswith("step_")]
+    if stale:  # checkpoints of an earlier run under this name would mix with this one's
+        print(f"{run_dir}: removing {len(stale)} checkpoints of an earlier run ({', '.join(sorted(stale))})")
+        for d in stale:
+            shutil.rmtree(os.path.join(run_dir, d))
     with open(os.path.join(run_dir, "config.json"), "w") as f:
         json.dump(asdict(cfg), f, indent=1)
     metrics_path = os.path.join(run_dir, "metrics.jsonl")

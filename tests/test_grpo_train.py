@@ -27,6 +27,7 @@ def test_without_a_ref_server_the_trainer_says_so():
 @pytest.mark.slow
 def test_three_steps_write_metrics_checkpoints_and_curves(server, tmp_path):  # noqa: F811
     run = "test_e2e"
+    os.makedirs(os.path.join(ROOT, "runs", run, "step_99"), exist_ok=True)  # an earlier run's checkpoint
     out = subprocess.run([sys.executable, "grpo_train.py", "--ref_url", server, "--steps", "3", "--save_every", "2",
                           "--run_name", run, "--batch_prompts", "4", "--num_iterations", "2"], cwd=ROOT, capture_output=True, text=True,
                          timeout=900)
@@ -41,6 +42,7 @@ def test_three_steps_write_metrics_checkpoints_and_curves(server, tmp_path):  # 
     assert trained  # some group carried signal, so an update ran
     # the second iteration on the same rollouts sees the policy the first one moved: ratio != 1
     assert any(r["ratio_mean"] != 1.0 for r in trained)
+    assert sorted(d for d in os.listdir(run_dir) if d.startswith("step_")) == ["step_2", "step_3"]
     for step in (2, 3):
         assert os.path.exists(os.path.join(run_dir, f"step_{step}", "model.safetensors"))
     assert os.path.getsize(os.path.join(run_dir, "curves.png")) > 1000
