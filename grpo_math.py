@@ -25,6 +25,16 @@ def selective_log_softmax(logits, token_ids, temperature=1.0, chunk_size=8):
     return torch.cat(out)
 
 
+def prefill_prompts(model, prompt_ids, prompt_mask, copies):
+    """Run each left-padded prompt once; the output keeps the last position's logits and a KV
+    cache holding `copies` copies of each prompt, one per completion to come (group after group).
+    Positions count real tokens only, as generation does."""
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0),
+                use_cache=True, logits_to_keep=1)
+    out.past_key_values.batch_repeat_interleave(copies)
+    return out
+
+
 def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, temperature=1.0):
     """Per-token log-probs of the completion tokens under `model`, (Q*G, C).
 
@@ -39,17 +49,14 @@ def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, temperature=1
         raise ValueError(f"{B} completions for {Q} prompts: expected the same number per prompt")
     G = B // Q
     # 1. the prompts, once each; the last prompt logit predicts the first completion token
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0),
-                use_cache=True, logits_to_keep=1)
+    out = prefill_prompts(model, prompt_ids, prompt_mask, G)
     logits = [out.logits.repeat_interleave(G, dim=0)]
     # 2. the completions on G copies of each prompt's cache; token t predicts token t+1
     if C > 1:
-        cache = out.past_key_values
-        cache.batch_repeat_interleave(G)
         mask = torch.cat([prompt_mask.repeat_interleave(G, dim=0), torch.ones_like(completion_ids)], dim=1)
         positions = prompt_mask.sum(1).repeat_interleave(G)[:, None] + torch.arange(C - 1, device=mask.device)
         logits.append(model(input_ids=completion_ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions,
-                            past_key_values=cache, use_cache=True).logits)
+                            past_key_values=out.past_key_values, use_cache=True).logits)
     return selective_log_softmax(torch.cat(logits, dim=1), completion_ids, temperature)
 
 

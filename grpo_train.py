@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from data import chat_prompt, load_jsonl
-from grpo_math import completion_mask, group_advantages, grpo_loss, sequence_logps  # noqa: F401
+from grpo_math import completion_mask, group_advantages, grpo_loss, prefill_prompts, sequence_logps  # noqa: F401
 from protocol import decode, encode
 from rewards import reference_answer, score
 
@@ -71,9 +71,7 @@ def generate(model, tokenizer, prompts, cfg):
     with torch.no_grad():
         # the G samples of a prompt share it: run each prompt once (all but its last token, which
         # generate feeds itself) and hand generate G copies of its KV cache
-        cache = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True,
-                      position_ids=(mask[:, :-1].cumsum(1) - 1).clamp(min=0)).past_key_values
-        cache.batch_repeat_interleave(G)
+        cache = prefill_prompts(model, ids[:, :-1], mask[:, :-1], G).past_key_values
         out = model.generate(input_ids=ids.repeat_interleave(G, 0), attention_mask=mask.repeat_interleave(G, 0),
                              past_key_values=cache, do_sample=True, temperature=cfg.temperature, top_k=0,
                              top_p=1.0, max_new_tokens=cfg.max_new_tokens, eos_token_id=tokenizer.eos_token_id,

@@ -7,16 +7,14 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools.demo import evaluate  # noqa: E402 - after the path fix that lets the script import it
 
 
 def accuracy(model_dir, data):
-    out = subprocess.run([sys.executable, "evaluate.py", "--model", model_dir, "--data", data, "--json"], cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])["accuracy"]
+    return evaluate(model_dir, os.environ, data)["accuracy"]
 
 
 def main():

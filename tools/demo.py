@@ -45,8 +45,9 @@ def start_ref_server(port, env):
     raise SystemExit("ref_server.py did not answer /health within 120 s")
 
 
-def evaluate(model_dir, env):
-    out = subprocess.run([sys.executable, "evaluate.py", "--model", model_dir, "--data", TEST, "--json"],
+def evaluate(model_dir, env, data=TEST):
+    """Greedy evaluation by evaluate.py in a subprocess: prints its table, returns its figures."""
+    out = subprocess.run([sys.executable, "evaluate.py", "--model", model_dir, "--data", data, "--json"],
                          cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, check=True)
     table, last = out.stdout.rstrip().rsplit("\n", 1)
     print(table, flush=True)
