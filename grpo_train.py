@@ -19,6 +19,7 @@ import os
 import random
 import shutil
 import time
+import uuid
 from dataclasses import asdict, dataclass
 
 import requests
@@ -88,6 +89,32 @@ def score_groups(completions, problems, cfg):
     return torch.tensor([s["reward"] for s in scores]), scores
 
 
+def make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, old_logps=None):
+    """One group (tensors, meta) per prompt whose rewards differ, ready to post, and has_signal (Q,).
+    A group whose rewards are all equal teaches nothing (every advantage is 0): it is dropped."""
+    advantages = group_advantages(rewards, G)
+    has_signal = rewards.view(-1, G).std(1) > 0
+    groups = []
+    for q in torch.nonzero(has_signal).flatten().tolist():
+        rows = slice(q * G, (q + 1) * G)
+        C = int(mask[rows].sum(1).max())  # trim the group's common padding
+        tensors = {"prompt_ids": prompt_rows[q], "completion_ids": completion_ids[rows, :C],
+                   "rewards": rewards[rows].float(), "advantages": advantages[rows].float()}
+        if old_logps is not None:
+            tensors["old_logps"] = old_logps[rows, :C].float()
+        groups.append((tensors, dict(meta)))
+    return groups, has_signal
+
+
+def rollout_stats(rewards, scores, mask, has_signal, gen_s):
+    """What one step's rollouts say, for the log: all groups, dropped ones included."""
+    return {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
+            "accuracy": sum(s["correctness"] for s in scores) / len(scores),
+            "format_rate": sum(s["format"] for s in scores) / len(scores),
+            "completion_len": mask.sum(1).mean().item(), "zero_var_frac": 1 - has_signal.float().mean().item(),
+            "tokens_per_s": mask.sum().item() / gen_s, "gen_s": gen_s}
+
+
 # ---------------------------------------------------------------------------- the reference server
 def ref_request(cfg, method, path, **kwargs):
     """One HTTP call to the reference server, with a clear error when it is not there."""
@@ -98,36 +125,54 @@ def ref_request(cfg, method, path, **kwargs):
                          f"running?") from None
 
 
-def get_ref_logps(cfg, groups):
-    """Post each group, take the finished groups back (FIFO) with ref_logps added."""
+def post_groups(cfg, groups):
+    """Upload groups of rollouts [(tensors, meta)] for the server to add ref_logps to."""
     for tensors, meta in groups:
         while (r := ref_request(cfg, "POST", "/upload", data=encode(tensors, meta))).status_code == 503:
             time.sleep(0.1)  # queue full: back off
         if r.status_code != 200:
             raise SystemExit(f"ref server refused a group: HTTP {r.status_code} {r.text[:200]}")
-    finished, deadline = [], time.time() + cfg.ref_timeout
-    while len(finished) < len(groups):
+
+
+def take_group(cfg, run_id, check_alive=None):
+    """The oldest finished group (tensors, meta) of this run from the server (FIFO), waiting for one.
+    Groups another run left in the server are skipped. `check_alive()` runs between polls so a
+    dead producer stops the wait with an error."""
+    deadline = time.time() + cfg.ref_timeout
+    while True:
         r = ref_request(cfg, "GET", "/get", params={"wait": 2})
         if r.status_code == 200:
-            finished.append(decode(r.content)[0])
+            tensors, meta = decode(r.content)
+            if meta.get("run_id") == run_id:
+                return tensors, meta
+            print(f"skipped a group of another run ({meta.get('run_id')}) left in the ref server")
+        elif check_alive is not None:
+            check_alive()
         elif time.time() > deadline:
-            raise SystemExit(f"ref server at {cfg.ref_url} returned {len(finished)}/{len(groups)} groups "
-                             f"in {cfg.ref_timeout:.0f} s: is it still working? (see its log)")
-    return finished
+            raise SystemExit(f"ref server at {cfg.ref_url} returned no finished group in {cfg.ref_timeout:.0f} s: "
+                             f"is it still working? (see its log)")
+
+
+def get_ref_logps(cfg, groups, run_id):
+    """Post each group, take the finished groups back (FIFO) with ref_logps added."""
+    post_groups(cfg, groups)
+    return [take_group(cfg, run_id)[0] for _ in groups]
 
 
 def collate(groups, pad_id):
     """One batch from finished groups: one left-padded prompt row per group (Q, P), and the
-    groups' completions right-padded, group after group (Q*G, C)."""
+    groups' completions right-padded, group after group (Q*G, C), with their per-token tensors."""
     P = max(g["prompt_ids"].numel() for g in groups)
     C = max(g["completion_ids"].size(1) for g in groups)
-    rows = {k: [] for k in ("prompt_ids", "prompt_mask", "completion_ids", "ref_logps", "advantages")}
+    per_token = ["ref_logps"] + (["old_logps"] if all("old_logps" in g for g in groups) else [])
+    rows = {k: [] for k in ("prompt_ids", "prompt_mask", "completion_ids", "advantages", *per_token)}
     for g in groups:
         p, c = g["prompt_ids"], g["completion_ids"]
         rows["prompt_ids"].append(torch.cat([torch.full((P - p.numel(),), pad_id), p])[None])
         rows["prompt_mask"].append((torch.arange(P) >= P - p.numel()).long()[None])
         rows["completion_ids"].append(torch.nn.functional.pad(c, (0, C - c.size(1)), value=pad_id))
-        rows["ref_logps"].append(torch.nn.functional.pad(g["ref_logps"], (0, C - c.size(1))))
+        for k in per_token:
+            rows[k].append(torch.nn.functional.pad(g[k], (0, C - c.size(1))))
         rows["advantages"].append(g["advantages"])
     return {k: torch.cat(v) for k, v in rows.items()}
 
@@ -176,16 +221,24 @@ def setup_distributed():
                                                                ".cache", "torch_extensions"))
 
 
+def save_checkpoint(engine, tokenizer, run_dir, step):
+    engine.module.save_pretrained(os.path.join(run_dir, f"step_{step}"))
+    tokenizer.save_pretrained(os.path.join(run_dir, f"step_{step}"))
+
+
+def log_step(metrics_path, record):
+    with open(metrics_path, "a") as f:
+        f.write(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()}) + "\n")
+
+
 # ---------------------------------------------------------------------------- training
-def main(cfg: Config):
-    ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent
+def make_engine(cfg):
+    """The policy as a DeepSpeed engine, and its tokenizer (seeds set first)."""
     setup_distributed()
     import deepspeed
     from transformers import AutoModelForCausalLM, AutoTokenizer
     torch.set_num_threads(cfg.threads)
     random.seed(cfg.seed), torch.manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
-    problems = load_jsonl(cfg.data)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
     ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
@@ -193,7 +246,11 @@ def main(cfg: Config):
                  "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "betas": [0.9, 0.99],
                                                            "weight_decay": 0.0, "torch_adam": True}}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    return engine, tokenizer
 
+
+def open_run(cfg):
+    """runs/RUN_NAME/ with this config and an empty metrics.jsonl; returns (run_dir, metrics_path)."""
     run_dir = os.path.join("runs", cfg.run_name)
     os.makedirs(run_dir, exist_ok=True)
     stale = [d for d in os.listdir(run_dir) if d.startswith("step_")]
@@ -205,7 +262,41 @@ def main(cfg: Config):
         json.dump(asdict(cfg), f, indent=1)
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     open(metrics_path, "w").close()
-    G = cfg.num_generations
+    return run_dir, metrics_path
+
+
+def grpo_update(engine, batch, cfg, eos_token_id):
+    """The GRPO update on one collated batch; returns the loss's diagnostics.
+
+    old_logps are the sampler's log-probs when it reported them (an asynchronous sampler
+    runs an older policy), else the current policy's own: ratio 1 on the first iteration.
+    num_iterations > 1 takes several steps on the same rollouts (PPO's epochs): from the
+    second on, the ratio moves off 1 and the clip bounds the update."""
+    batch = {k: v.to(engine.device) for k, v in batch.items()}
+    mask = completion_mask(batch["completion_ids"], eos_token_id)
+    old_logps = batch.get("old_logps")
+    for _ in range(cfg.num_iterations):
+        logps = sequence_logps(engine, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                               cfg.temperature)
+        old_logps = logps.detach() if old_logps is None else old_logps
+        loss, stats = grpo_loss(logps, old_logps, batch["ref_logps"], batch["advantages"], mask,
+                                beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+                                loss_type=cfg.loss_type)
+        engine.backward(loss)
+        norm = grad_norm(engine)
+        engine.step()
+    stats["loss"] = loss.item()
+    stats["grad_norm"] = norm if norm is not None else float(engine.get_global_grad_norm() or 0.0)
+    return stats
+
+
+def main(cfg: Config):
+    ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent
+    engine, tokenizer = make_engine(cfg)
+    rng = random.Random(cfg.seed)
+    problems = load_jsonl(cfg.data)
+    run_dir, metrics_path = open_run(cfg)
+    run_id, G = uuid.uuid4().hex, cfg.num_generations  # run_id tells this run's groups from strays
 
     bar = tqdm(range(1, cfg.steps + 1), desc="grpo")
     for step in bar:
@@ -219,54 +310,30 @@ def main(cfg: Config):
                                        skip_special_tokens=True)
         gen_s = time.time() - t0
 
-        # 2. rewards and group-relative advantages; drop groups with no reward variance
+        # 2. rewards and group-relative advantages; groups with no reward variance are dropped
         rewards, scores = score_groups(texts, batch_problems, cfg)
-        advantages = group_advantages(rewards, G)
-        has_signal = rewards.view(-1, G).std(1) > 0
-        groups = []
-        for q in torch.nonzero(has_signal).flatten().tolist():
-            rows = slice(q * G, (q + 1) * G)
-            c = completion_ids[rows][:, :int(mask[rows].sum(1).max())]  # trim common padding
-            groups.append(({"prompt_ids": prompt_ids[q][prompt_mask[q].bool()], "completion_ids": c,
-                            "rewards": rewards[rows].float(), "advantages": advantages[rows].float()},
-                           {"policy_version": step, "temperature": cfg.temperature}))
+        prompt_rows = [ids[m.bool()] for ids, m in zip(prompt_ids, prompt_mask)]
+        groups, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G,
+                                         {"run_id": run_id, "policy_version": step,
+                                          "temperature": cfg.temperature})
 
         # 3.-4. reference log-probs from the server, then the GRPO update
         stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 1.0, "grad_norm": 0.0}
+        t1 = time.time()
         if groups:
-            batch = collate(get_ref_logps(cfg, groups), tokenizer.pad_token_id)
-            batch_mask = completion_mask(batch["completion_ids"], tokenizer.eos_token_id)
-            # num_iterations > 1 takes several steps on the same rollouts (PPO's epochs): from the
-            # second on, the ratio to the sampling policy moves off 1 and the clip bounds the update
-            old_logps = None
-            for _ in range(cfg.num_iterations):
-                logps = sequence_logps(engine, batch["prompt_ids"], batch["prompt_mask"],
-                                       batch["completion_ids"], cfg.temperature)
-                old_logps = logps.detach() if old_logps is None else old_logps
-                loss, stats = grpo_loss(logps, old_logps, batch["ref_logps"], batch["advantages"], batch_mask,
-                                        beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-                                        loss_type=cfg.loss_type)
-                engine.backward(loss)
-                norm = grad_norm(engine)
-                engine.step()
-            stats["loss"] = loss.item()
-            stats["grad_norm"] = norm if norm is not None else float(engine.get_global_grad_norm() or 0.0)
+            batch = collate(get_ref_logps(cfg, groups, run_id), tokenizer.pad_token_id)
+            t2 = time.time()
+            stats = grpo_update(engine, batch, cfg, tokenizer.eos_token_id)
+        ref_s, compute_s = (t2 - t1, time.time() - t2) if groups else (0.0, 0.0)
 
         # log what we measured
-        step_s = time.time() - t0
-        record = {"step": step, "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
-                  "accuracy": sum(s["correctness"] for s in scores) / len(scores),
-                  "format_rate": sum(s["format"] for s in scores) / len(scores),
-                  **stats, "completion_len": mask.sum(1).mean().item(),
-                  "zero_var_frac": 1 - has_signal.float().mean().item(),
-                  "tokens_per_s": mask.sum().item() / gen_s, "gen_s": gen_s, "step_s": step_s}
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()}) + "\n")
+        record = {"step": step, **rollout_stats(rewards, scores, mask, has_signal, gen_s), **stats,
+                  "ref_s": ref_s, "compute_s": compute_s, "step_s": time.time() - t0}
+        log_step(metrics_path, record)
         bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['accuracy']:.2f}",
                         fmt=f"{record['format_rate']:.2f}", kl=f"{record['kl']:.3f}")
         if step % cfg.save_every == 0 or step == cfg.steps:
-            engine.module.save_pretrained(os.path.join(run_dir, f"step_{step}"))
-            tokenizer.save_pretrained(os.path.join(run_dir, f"step_{step}"))
+            save_checkpoint(engine, tokenizer, run_dir, step)
 
     plot_curves(metrics_path, os.path.join(run_dir, "curves.png"))
     print(f"done: {run_dir}/step_{cfg.steps} ({run_dir}/metrics.jsonl, {run_dir}/curves.png)")

