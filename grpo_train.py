@@ -11,10 +11,11 @@ Every step, in order:
      are all equal teach nothing (every advantage is 0) and are dropped;
   3. post the groups to the reference server and take them back with reference log-probs;
   4. compute the GRPO loss (grpo_math.py) and take an optimizer step with DeepSpeed.
-It writes one JSON line per step to runs/NAME/metrics.jsonl, HF checkpoints to
-runs/NAME/step_N/, and the curves to runs/NAME/curves.png.
+It writes one JSON line per step to runs/NAME/metrics.jsonl, checkpoints to runs/NAME/step_N/
+(HF format, plus the state --resume continues from), and the curves to runs/NAME/curves.png.
 """
 import json
+import math
 import os
 import random
 import shutil
@@ -22,13 +23,13 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
-import requests
 import torch
 from tqdm import tqdm
 
 from data import chat_prompt, load_jsonl
 from grpo_math import completion_mask, group_advantages, grpo_loss, prefill_prompts, sequence_logps  # noqa: F401
-from protocol import decode, encode
+from checkpoint import load_checkpoint, remove_partial, save_checkpoint
+from protocol import post_groups, ref_request, take_group
 from rewards import reference_answer, score
 
 
@@ -57,7 +58,10 @@ class Config:
     save_every: int = 100  # steps between checkpoints (and one at the end)
     zero_stage: int = 0  # DeepSpeed ZeRO stage (0-3)
     threads: int = 2  # CPU threads for torch
-    ref_timeout: float = 120.0  # seconds to wait for the reference server before giving up
+    ref_token: str = ""  # the ref server's shared token, if it has one (default: $SIMPLE_GRPO_TOKEN)
+    ref_timeout: float = 120.0  # seconds to wait for a finished group (or for room in a full queue)
+    peer_timeout: float = 30.0  # seconds the ref server may not answer at all before the run stops
+    resume: bool = False  # continue runs/RUN_NAME from its latest checkpoint
     local_rank: int = -1  # set by the deepspeed launcher
 
 
@@ -116,43 +120,6 @@ def rollout_stats(rewards, scores, mask, has_signal, gen_s):
 
 
 # ---------------------------------------------------------------------------- the reference server
-def ref_request(cfg, method, path, **kwargs):
-    """One HTTP call to the reference server, with a clear error when it is not there."""
-    try:
-        return requests.request(method, cfg.ref_url + path, timeout=cfg.ref_timeout, **kwargs)
-    except requests.ConnectionError:
-        raise SystemExit(f"ref server at {cfg.ref_url} is not answering: is `python ref_server.py` "
-                         f"running?") from None
-
-
-def post_groups(cfg, groups):
-    """Upload groups of rollouts [(tensors, meta)] for the server to add ref_logps to."""
-    for tensors, meta in groups:
-        while (r := ref_request(cfg, "POST", "/upload", data=encode(tensors, meta))).status_code == 503:
-            time.sleep(0.1)  # queue full: back off
-        if r.status_code != 200:
-            raise SystemExit(f"ref server refused a group: HTTP {r.status_code} {r.text[:200]}")
-
-
-def take_group(cfg, run_id, check_alive=None):
-    """The oldest finished group (tensors, meta) of this run from the server (FIFO), waiting for one.
-    Groups another run left in the server are skipped. `check_alive()` runs between polls so a
-    dead producer stops the wait with an error."""
-    deadline = time.time() + cfg.ref_timeout
-    while True:
-        r = ref_request(cfg, "GET", "/get", params={"wait": 2})
-        if r.status_code == 200:
-            tensors, meta = decode(r.content)
-            if meta.get("run_id") == run_id:
-                return tensors, meta
-            print(f"skipped a group of another run ({meta.get('run_id')}) left in the ref server")
-        elif check_alive is not None:
-            check_alive()
-        elif time.time() > deadline:
-            raise SystemExit(f"ref server at {cfg.ref_url} returned no finished group in {cfg.ref_timeout:.0f} s: "
-                             f"is it still working? (see its log)")
-
-
 def get_ref_logps(cfg, groups, run_id):
     """Post each group, take the finished groups back (FIFO) with ref_logps added."""
     post_groups(cfg, groups)
@@ -221,12 +188,9 @@ def setup_distributed():
                                                                ".cache", "torch_extensions"))
 
 
-def save_checkpoint(engine, tokenizer, run_dir, step):
-    engine.module.save_pretrained(os.path.join(run_dir, f"step_{step}"))
-    tokenizer.save_pretrained(os.path.join(run_dir, f"step_{step}"))
-
-
 def log_step(metrics_path, record):
+    if record.get("skipped_updates"):
+        tqdm.write(f"warning: step {record['step']}: non-finite loss or gradient, update skipped")
     with open(metrics_path, "a") as f:
         f.write(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()}) + "\n")
 
@@ -249,20 +213,33 @@ def make_engine(cfg):
     return engine, tokenizer
 
 
-def open_run(cfg):
-    """runs/RUN_NAME/ with this config and an empty metrics.jsonl; returns (run_dir, metrics_path)."""
+def open_run(cfg, engine):
+    """runs/RUN_NAME/ with this config and its metrics.jsonl: a new run starts both afresh; with
+    --resume, the latest checkpoint is loaded into the engine and the metrics are kept up to
+    its step. Returns (run_dir, metrics_path, first step to run, the trainer state saved)."""
     run_dir = os.path.join("runs", cfg.run_name)
     os.makedirs(run_dir, exist_ok=True)
-    stale = [d for d in os.listdir(run_dir) if d.startswith("step_")]
-    if stale:  # checkpoints of an earlier run under this name would mix with this one's
-        print(f"{run_dir}: removing {len(stale)} checkpoints of an earlier run ({', '.join(sorted(stale))})")
-        for d in stale:
-            shutil.rmtree(os.path.join(run_dir, d))
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
-        json.dump(asdict(cfg), f, indent=1)
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    open(metrics_path, "w").close()
-    return run_dir, metrics_path
+    metrics_path, first_step, state = os.path.join(run_dir, "metrics.jsonl"), 1, None
+    remove_partial(run_dir)
+    if cfg.resume:
+        done, state = load_checkpoint(engine, run_dir)
+        first_step = done + 1
+        with open(metrics_path) as f:  # steps after the checkpoint are run again (and a line cut short by a kill)
+            rows = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= done]
+        print(f"{run_dir}: resuming after step {done}")
+    else:
+        stale = [d for d in os.listdir(run_dir) if d.startswith("step_")]
+        if stale:  # checkpoints of an earlier run under this name would mix with this one's
+            print(f"{run_dir}: removing {len(stale)} checkpoints of an earlier run ({', '.join(sorted(stale))})")
+            for d in stale:
+                shutil.rmtree(os.path.join(run_dir, d))
+        rows = []
+    if engine.global_rank == 0:
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(asdict(cfg), f, indent=1)
+        with open(metrics_path, "w") as f:
+            f.writelines(rows)
+    return run_dir, metrics_path, first_step, state
 
 
 def grpo_update(engine, batch, cfg, eos_token_id):
@@ -274,7 +251,7 @@ def grpo_update(engine, batch, cfg, eos_token_id):
     second on, the ratio moves off 1 and the clip bounds the update."""
     batch = {k: v.to(engine.device) for k, v in batch.items()}
     mask = completion_mask(batch["completion_ids"], eos_token_id)
-    old_logps = batch.get("old_logps")
+    old_logps, skipped, norm = batch.get("old_logps"), 0, None
     for _ in range(cfg.num_iterations):
         logps = sequence_logps(engine, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
                                cfg.temperature)
@@ -282,23 +259,37 @@ def grpo_update(engine, batch, cfg, eos_token_id):
         loss, stats = grpo_loss(logps, old_logps, batch["ref_logps"], batch["advantages"], mask,
                                 beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
                                 loss_type=cfg.loss_type)
+        # one NaN or inf in an update would reach every weight through Adam's moments: skip it
+        if not torch.isfinite(loss):
+            skipped += 1
+            continue
         engine.backward(loss)
         norm = grad_norm(engine)
+        if norm is not None and not math.isfinite(norm):  # ZeRO 0: drop the gradients, take no step
+            engine.optimizer.zero_grad(set_to_none=True)
+            skipped += 1
+            continue
         engine.step()
+        skipped += not engine.was_step_applied()  # ZeRO 1-3 check the gradients themselves and skip the step
     stats["loss"] = loss.item()
     stats["grad_norm"] = norm if norm is not None else float(engine.get_global_grad_norm() or 0.0)
+    if skipped == cfg.num_iterations:
+        stats["grad_norm"] = None  # no update was taken
+    stats["skipped_updates"] = int(skipped)
     return stats
 
 
 def main(cfg: Config):
     ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent
     engine, tokenizer = make_engine(cfg)
-    rng = random.Random(cfg.seed)
+    rng = random.Random(cfg.seed)  # draws the problems: its state is the data position
     problems = load_jsonl(cfg.data)
-    run_dir, metrics_path = open_run(cfg)
+    run_dir, metrics_path, first_step, state = open_run(cfg, engine)
+    if state is not None:
+        rng.setstate(state["data_rng"])
     run_id, G = uuid.uuid4().hex, cfg.num_generations  # run_id tells this run's groups from strays
 
-    bar = tqdm(range(1, cfg.steps + 1), desc="grpo")
+    bar = tqdm(range(first_step, cfg.steps + 1), desc="grpo", initial=first_step - 1, total=cfg.steps)
     for step in bar:
         t0 = time.time()
         # 1. rollouts from the current policy
@@ -333,7 +324,7 @@ def main(cfg: Config):
         bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['accuracy']:.2f}",
                         fmt=f"{record['format_rate']:.2f}", kl=f"{record['kl']:.3f}")
         if step % cfg.save_every == 0 or step == cfg.steps:
-            save_checkpoint(engine, tokenizer, run_dir, step)
+            save_checkpoint(engine, tokenizer, run_dir, step, {"data_rng": rng.getstate()})
 
     plot_curves(metrics_path, os.path.join(run_dir, "curves.png"))
     print(f"done: {run_dir}/step_{cfg.steps} ({run_dir}/metrics.jsonl, {run_dir}/curves.png)")

@@ -20,6 +20,7 @@ correct off-policy (PPO's clip bounds it), and the worker never runs more than
 `max_policy_lag` versions ahead. The math, rewards, data and logging are grpo_train's.
 """
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -38,9 +39,10 @@ from tqdm import tqdm
 
 from data import chat_prompt, load_jsonl
 from grpo_math import completion_mask
-from grpo_train import (Config as TrainConfig, collate, grpo_update, log_step, make_engine, make_groups,
-                        open_run, plot_curves, post_groups, ref_request, rollout_stats, save_checkpoint,
-                        score_groups, take_group)
+from checkpoint import save_checkpoint
+from grpo_train import (Config as TrainConfig, collate, grpo_update, log_step, make_engine, make_groups, open_run,
+                        plot_curves, rollout_stats, score_groups)
+from protocol import post_groups, ref_request, take_group
 
 
 @dataclass
@@ -169,28 +171,35 @@ def gen_worker(cfg, run_id, weights_queue, loaded, stop, parent_pid):
         os._exit(1)
     threading.Thread(target=watch_parent, daemon=True).start()
 
+    # the trainer notices a dead ref server first, and names it, if this process waits longer
+    cfg = dataclasses.replace(cfg, peer_timeout=cfg.peer_timeout + 15)
     llm = start_vllm(cfg)
     logging.getLogger("vllm").setLevel(logging.ERROR)  # started: its per-reload notes would flood the log
     tokenizer = llm.get_tokenizer()
     problems, rng, G = load_jsonl(cfg.data), random.Random(cfg.seed), cfg.num_generations
-    version, batch, shared, load_s = 0, 0, {}, 0.0  # version: trainer steps in the loaded weights
+    # version: trainer steps in the loaded weights (None: resuming, the checkpoint's are on their way);
+    # draws: batches of problems taken from rng so far, the data position a checkpoint records
+    version, batch, draws, shared, load_s = (None if cfg.resume else 0), 0, 0, {}, 0.0
     while not stop.is_set():
         # bounded staleness: batch b is trained at trainer step b+1, by weights of version b
-        must_wait = batch - version > cfg.max_policy_lag
+        must_wait = version is None or batch - version > cfg.max_policy_lag
         try:
             message = weights_queue.get(timeout=1.0) if must_wait else weights_queue.get_nowait()
         except queue.Empty:
             message = None
-        if message is not None:  # load all weights that came before sampling more
+        if message is not None and message[0] == "resume":  # continue at the checkpoint's step and data
+            _, batch, draws = message
+            for _ in range(draws):
+                rng.sample(problems, cfg.batch_prompts)
+        elif message is not None:  # load all weights that came before sampling more
             t0 = time.time()
             if (new_version := receive_weights(llm, message, shared, loaded)) is not None:
                 version, load_s = new_version, time.time() - t0
-            continue
-        if must_wait:
+        if message is not None or must_wait:
             continue
 
         t0 = time.time()
-        batch_problems = rng.sample(problems, cfg.batch_prompts)
+        batch_problems, draws = rng.sample(problems, cfg.batch_prompts), draws + 1
         prompts = [chat_prompt(tokenizer, p["question"]) for p in batch_problems]
         prompt_rows, completion_ids, old_logps = sample(llm, prompts, cfg)
         mask = completion_mask(completion_ids, tokenizer.eos_token_id)
@@ -202,7 +211,7 @@ def gen_worker(cfg, run_id, weights_queue, loaded, stop, parent_pid):
         groups, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, old_logps)
         stats = {**rollout_stats(rewards, scores, mask, has_signal, gen_s), "weights_load_s": load_s}
         for _, m in groups:  # the trainer takes groups_in_batch groups as one batch
-            m.update(batch=batch, groups_in_batch=len(groups), stats=stats)
+            m.update(batch=batch, draws=draws, groups_in_batch=len(groups), stats=stats)
         if groups:
             post_groups(cfg, groups)
             batch += 1
@@ -260,8 +269,11 @@ def main(cfg: Config):
 
     try:
         engine, tokenizer = make_engine(cfg)
-        run_dir, metrics_path = open_run(cfg)
-        bar = tqdm(range(1, cfg.steps + 1), desc="grpo (vllm)")
+        run_dir, metrics_path, first_step, state = open_run(cfg, engine)
+        if state is not None:  # resuming: the worker takes up the checkpoint's data position and weights
+            sender.queue.put(("resume", first_step - 1, state["draws"]))
+            sender.send(engine.module, first_step - 1, cfg.zero_stage, check_worker)
+        bar = tqdm(range(first_step, cfg.steps + 1), desc="grpo (vllm)", initial=first_step - 1, total=cfg.steps)
         for step in bar:
             # 1. the next batch of groups the worker made, with ref_logps from the server
             t0 = time.time()
@@ -283,7 +295,7 @@ def main(cfg: Config):
             bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['accuracy']:.2f}",
                             kl=f"{record['kl']:.3f}", lag=record["policy_lag"], wait=f"{wait_s:.2f}")
             if step % cfg.save_every == 0 or step == cfg.steps:
-                save_checkpoint(engine, tokenizer, run_dir, step)
+                save_checkpoint(engine, tokenizer, run_dir, step, {"draws": meta["draws"]})
     finally:
         stop_worker(worker, stop)
     plot_curves(metrics_path, os.path.join(run_dir, "curves.png"))

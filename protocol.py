@@ -1,15 +1,24 @@
-"""The wire format between generators, the reference server and trainers: no pickle.
+"""The wire between generators, the reference server and trainers: messages, checks, client calls.
 
 A message is safetensors bytes: named tensors plus a small JSON dict in the safetensors
-header's metadata. safetensors parses nothing but a JSON header and raw numbers, so
-bytes from the network cannot run code (unlike torch.load / pickle).
+header's metadata. safetensors parses nothing but a JSON header and raw numbers, so bytes
+from the network cannot run code (unlike torch.load / pickle). The server checks every
+upload (check_rollout) before it touches its model; clients retry with backoff and stop
+with an error naming the server when it is gone (ref_request).
 """
 import json
+import math
+import os
+import time
 
+import requests
 import torch
 from safetensors.torch import load, save
 
 VERSION = 1
+TOKEN_ENV = "SIMPLE_GRPO_TOKEN"  # the shared secret, when the server listens beyond loopback
+ROLLOUT_TENSORS = {"prompt_ids": 1, "completion_ids": 2, "rewards": 1, "advantages": 1}  # name: ndim
+OPTIONAL_TENSORS = {"old_logps": 2}
 
 
 def encode(tensors: dict, meta: dict) -> bytes:
@@ -27,7 +36,7 @@ def decode(body: bytes):
     try:
         header = json.loads(body[8:8 + header_len])
         meta = json.loads(header["__metadata__"]["json"])
-        tensors = load(body)
+        tensors = load(body)  # checks every tensor's byte range against the body's length
     except Exception as e:  # noqa: BLE001 - any parse failure is the sender's error
         raise ValueError(f"not a valid message: {type(e).__name__}: {str(e)[:120]}") from None
     if not isinstance(meta, dict) or meta.get("version") != VERSION:
@@ -36,33 +45,113 @@ def decode(body: bytes):
     return tensors, meta
 
 
-def check_rollout(tensors, meta, vocab_size, max_len):
+def check_rollout(tensors, meta, vocab_size, max_len, max_group_size):
     """Raise ValueError naming the problem unless this is a well-formed group of rollouts:
-    prompt_ids (P,), completion_ids (G, C) int64 in the vocabulary, rewards and advantages
-    (G,) finite floats, optional old_logps (G, C)."""
-    need = {"prompt_ids": 1, "completion_ids": 2, "rewards": 1, "advantages": 1}
-    for name, ndim in need.items():
+    prompt_ids (P,) and completion_ids (G, C) int64 in the vocabulary, P + C <= max_len,
+    rewards and advantages (G,) finite floats, optional old_logps (G, C) finite floats,
+    meta with an integer policy_version and a positive finite temperature."""
+    unknown = set(tensors) - set(ROLLOUT_TENSORS) - set(OPTIONAL_TENSORS)
+    if unknown:
+        raise ValueError(f"unexpected tensor(s) {sorted(unknown)[:5]}")
+    for name, ndim in {**ROLLOUT_TENSORS, **OPTIONAL_TENSORS}.items():
         if name not in tensors:
+            if name in OPTIONAL_TENSORS:
+                continue
             raise ValueError(f"missing tensor {name!r}")
         if tensors[name].dim() != ndim:
             raise ValueError(f"{name} must have {ndim} dimension(s), got shape {tuple(tensors[name].shape)}")
     prompt, completion = tensors["prompt_ids"], tensors["completion_ids"]
     G = completion.size(0)
+    if G == 0 or prompt.numel() == 0 or completion.size(1) == 0:
+        raise ValueError("empty prompt or completions")
+    if G > max_group_size:
+        raise ValueError(f"{G} completions in a group > {max_group_size}")
+    if prompt.numel() + completion.size(1) > max_len:
+        raise ValueError(f"prompt + completion = {prompt.numel() + completion.size(1)} tokens > {max_len}")
     for name in ("prompt_ids", "completion_ids"):
         t = tensors[name]
         if t.dtype != torch.int64:
             raise ValueError(f"{name} must be int64, got {t.dtype}")
-        if t.numel() and (t.min() < 0 or t.max() >= vocab_size):
+        if t.min() < 0 or t.max() >= vocab_size:
             raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size})")
-    if G == 0 or prompt.numel() == 0 or completion.size(1) == 0:
-        raise ValueError("empty prompt or completions")
-    if prompt.numel() + completion.size(1) > max_len:
-        raise ValueError(f"prompt + completion = {prompt.numel() + completion.size(1)} tokens > {max_len}")
-    for name in ("rewards", "advantages"):
-        t = tensors[name]
-        if not t.is_floating_point() or t.numel() != G or not torch.isfinite(t).all():
-            raise ValueError(f"{name} must be {G} finite floats")
-    if "old_logps" in tensors and tensors["old_logps"].shape != completion.shape:
-        raise ValueError(f"old_logps shape {tuple(tensors['old_logps'].shape)} != completion_ids {tuple(completion.shape)}")
-    if not isinstance(meta.get("policy_version", 0), int):
+    for name in ("rewards", "advantages", "old_logps"):
+        if name not in tensors:
+            continue
+        t, shape = tensors[name], ((G,) if name != "old_logps" else tuple(completion.shape))
+        if t.dtype not in (torch.float32, torch.float64) or tuple(t.shape) != shape:
+            raise ValueError(f"{name} must be float32/64 of shape {shape}, got {t.dtype} {tuple(t.shape)}")
+        if not torch.isfinite(t).all():
+            raise ValueError(f"{name} has NaN or infinite values")
+    version, temperature = meta.get("policy_version", 0), meta.get("temperature", 1.0)
+    if not isinstance(version, int) or isinstance(version, bool):
         raise ValueError("policy_version must be an integer")
+    if not isinstance(temperature, (int, float)) or not (0 < temperature < math.inf):
+        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+
+
+# ---------------------------------------------------------------------------- the client side
+def auth_headers(token):
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def ref_request(cfg, method, path, **kwargs):
+    """One HTTP call to the reference server at cfg.ref_url. A server that does not answer
+    (refused, reset, timed out, 5xx other than 503) is retried with backoff for cfg.peer_timeout
+    seconds; then the run stops with an error that names it and says how to restart it."""
+    token = cfg.ref_token or os.environ.get(TOKEN_ENV, "")
+    first_failure, delay = None, 0.25
+    while True:
+        try:
+            r = requests.request(method, cfg.ref_url + path, timeout=cfg.peer_timeout,
+                                 headers=auth_headers(token), **kwargs)
+            if r.status_code == 401:
+                raise SystemExit(f"ref server at {cfg.ref_url} refused our token: pass --ref_token or set "
+                                 f"{TOKEN_ENV} to the server's")
+            if r.status_code < 500 or r.status_code == 503:
+                return r
+            problem = f"HTTP {r.status_code} {r.text[:100]}"
+        except requests.RequestException as e:
+            problem = type(e).__name__
+        first_failure = first_failure or time.time()
+        if time.time() - first_failure > cfg.peer_timeout:
+            raise SystemExit(f"ref server at {cfg.ref_url} has not answered for {cfg.peer_timeout:.0f} s "
+                             f"({problem}): is `python ref_server.py` running? Restart it, then rerun "
+                             f"with --resume to continue from the last checkpoint")
+        time.sleep(delay)
+        delay = min(2 * delay, 4.0)
+
+
+def post_groups(cfg, groups):
+    """Upload groups of rollouts [(tensors, meta)] for the server to add ref_logps to. A full
+    queue (503) is retried with backoff for up to cfg.ref_timeout seconds."""
+    for tensors, meta in groups:
+        body, deadline, delay = encode(tensors, meta), time.time() + cfg.ref_timeout, 0.05
+        while (r := ref_request(cfg, "POST", "/upload", data=body)).status_code == 503:
+            if time.time() > deadline:
+                raise SystemExit(f"ref server at {cfg.ref_url} stayed full for {cfg.ref_timeout:.0f} s: "
+                                 f"is anything taking its batches?")
+            time.sleep(delay)
+            delay = min(2 * delay, 2.0)
+        if r.status_code != 200:
+            raise SystemExit(f"ref server refused a group: HTTP {r.status_code} {r.text[:200]}")
+
+
+def take_group(cfg, run_id, check_alive=None):
+    """The oldest finished group (tensors, meta) of this run from the server (FIFO), waiting for one.
+    Groups another run left in the server are skipped. `check_alive()` runs between polls so a
+    dead producer stops the wait with an error."""
+    deadline = time.time() + cfg.ref_timeout
+    while True:
+        r = ref_request(cfg, "GET", "/get", params={"wait": 2})
+        if r.status_code == 200:
+            tensors, meta = decode(r.content)
+            if meta.get("run_id") == run_id:
+                return tensors, meta
+            print(f"skipped a group of another run ({meta.get('run_id')}) left in the ref server")
+        elif r.status_code != 204:
+            raise SystemExit(f"ref server answered /get with HTTP {r.status_code} {r.text[:200]}")
+        elif check_alive is not None:
+            check_alive()
+        elif time.time() > deadline:
+            raise SystemExit(f"ref server at {cfg.ref_url} returned no finished group in {cfg.ref_timeout:.0f} s: "
+                             f"is it still working? (see its log)")

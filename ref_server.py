@@ -8,39 +8,52 @@ model's per-token log-probs (for the KL term) and queues the finished group; tra
 GET /get to take finished groups in the order they arrived (FIFO). Keeping the reference
 model here leaves the trainer's device its memory, and lets it live on another GPU or
 machine. Messages are safetensors bytes (protocol.py), never pickle.
+
+It is safe to leave running: every upload is checked and a bad one gets a 4xx with a
+reason; the queues are bounded in groups and in bytes (a full queue answers 503 and
+clients back off); /stats counts what happened. It listens on 127.0.0.1 unless --host
+says otherwise, and then only with a shared token (--token or $SIMPLE_GRPO_TOKEN):
+
+    SIMPLE_GRPO_TOKEN=secret python ref_server.py --host 0.0.0.0   # trainers pass --ref_token
 """
+import hmac
+import ipaddress
 import json
+import os
 import queue
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 import bottle
 import torch
 
 from grpo_math import sequence_logps
-from protocol import check_rollout, decode, encode
+from protocol import TOKEN_ENV, check_rollout, decode, encode
 
 
 @dataclass
 class ServerConfig:
     model: str = "models/tiny-math"  # the reference model (usually the policy's starting point)
     host: str = "127.0.0.1"  # loopback only unless told otherwise
+    token: str = ""  # shared secret required on every request (default: $SIMPLE_GRPO_TOKEN); must be set off loopback
     port: int = 59875
     device: str = "cpu"
     dtype: str = "float32"  # float32, bfloat16 or float16
     threads: int = 1  # CPU threads for the reference forward pass
     max_queue: int = 256  # groups waiting in each direction; /upload answers 503 when full
-    max_body_mb: int = 64
+    max_queue_mb: int = 512  # ... or when the uploads held in the queues pass this many MB
+    max_body_mb: int = 16  # one upload
+    max_group_size: int = 256  # completions in one group
 
 
-def ref_worker(model, todo, done, device, stats):
+def ref_worker(model, todo, done, device, stats, lock):
     """Take uploaded groups in order, add ref_logps (G, C), queue them for trainers."""
     while True:
-        tensors, meta = todo.get()
+        size, tensors, meta = todo.get()
         try:
             prompt = tensors["prompt_ids"].to(device).unsqueeze(0)  # one prompt, G completions
             with torch.inference_mode():
@@ -48,63 +61,94 @@ def ref_worker(model, todo, done, device, stats):
                                            tensors["completion_ids"].to(device),
                                            temperature=meta.get("temperature", 1.0))
             tensors["ref_logps"] = ref_logps.float().cpu()
-            done.put(encode(tensors, meta))
+            done.put((size, encode(tensors, meta)))  # blocks while trainers are behind: todo then fills
             stats["groups_out"] += 1
         except Exception as e:  # noqa: BLE001 - report, keep serving
+            with lock:
+                stats["queued_bytes"] -= size
             stats["errors"] += 1
             print(f"ref_worker: group dropped: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def is_loopback(host):
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def make_app(model, cfg: ServerConfig):
     app = bottle.Bottle()
     todo, done = queue.Queue(cfg.max_queue), queue.Queue(cfg.max_queue)
-    stats = {"groups_in": 0, "groups_out": 0, "groups_taken": 0, "rejected": 0, "errors": 0}
-    started = time.time()
+    stats = {"groups_in": 0, "groups_out": 0, "groups_taken": 0, "rejected": 0, "rejected_full": 0,
+             "errors": 0, "queued_bytes": 0}
+    lock, started = threading.Lock(), time.time()
     vocab_size = model.config.vocab_size
     max_len = model.config.max_position_embeddings
-    threading.Thread(target=ref_worker, args=(model, todo, done, cfg.device, stats), daemon=True).start()
+    threading.Thread(target=ref_worker, args=(model, todo, done, cfg.device, stats, lock),
+                     daemon=True).start()
 
-    def reject(status, reason):
-        stats["rejected"] += 1
-        bottle.response.status = status
-        bottle.response.content_type = "application/json"
-        return json.dumps({"error": reason})
+    def answer(status, reason):
+        return bottle.HTTPResponse(json.dumps({"error": reason}), status=status, content_type="application/json")
+
+    @app.hook("before_request")
+    def check_token():
+        sent = bottle.request.get_header("Authorization", "")
+        if cfg.token and not hmac.compare_digest(sent.encode(), f"Bearer {cfg.token}".encode()):
+            stats["rejected"] += 1
+            raise answer(401, "missing or wrong token (send 'Authorization: Bearer TOKEN')")
 
     @app.post("/upload")
     def upload():
         limit = cfg.max_body_mb * 2**20
-        if (bottle.request.content_length or 0) > limit:
-            return reject(413, f"body larger than {cfg.max_body_mb} MB")
-        body = bottle.request.body.read(limit + 1)
         try:
-            tensors, meta = decode(body)
-            check_rollout(tensors, meta, vocab_size, max_len)
-        except ValueError as e:
-            return reject(400, str(e))
-        try:
-            todo.put_nowait((tensors, meta))
-        except queue.Full:
-            return reject(503, "queue full: retry later")
-        stats["groups_in"] += 1
-        return {"ok": True}
+            size = bottle.request.content_length
+        except ValueError:
+            size = -1
+        status, reason = (411, "Content-Length required") if size < 0 else \
+                         (413, f"body of {size} bytes > {cfg.max_body_mb} MB") if size > limit else (0, "")
+        if not status:
+            try:
+                tensors, meta = decode(bottle.request.body.read(limit))
+                check_rollout(tensors, meta, vocab_size, max_len, cfg.max_group_size)
+            except ValueError as e:
+                status, reason = 400, str(e)
+        if not status:
+            with lock:  # bounded in bytes as well as in groups: memory stays bounded under any flood
+                if stats["queued_bytes"] + size > cfg.max_queue_mb * 2**20 or todo.full():
+                    stats["rejected_full"] += 1
+                    return answer(503, "queue full: retry later")
+                stats["queued_bytes"] += size
+                todo.put_nowait((size, tensors, meta))
+            stats["groups_in"] += 1
+            return {"ok": True}
+        stats["rejected"] += 1
+        return answer(status, reason)
 
     @app.get("/get")
     def get():
         """The oldest finished group as safetensors bytes; 204 if none within ?wait= seconds."""
-        wait = min(float(bottle.request.query.get("wait") or 0), 30.0)
         try:
-            body = done.get(timeout=wait) if wait > 0 else done.get_nowait()
+            wait = min(max(float(bottle.request.query.get("wait") or 0), 0.0), 30.0)
+        except ValueError:
+            return answer(400, "wait must be a number of seconds")
+        try:
+            size, body = done.get(timeout=wait) if wait > 0 else done.get_nowait()
         except queue.Empty:
-            bottle.response.status = 204
-            return b""
+            return bottle.HTTPResponse(status=204)
+        with lock:
+            stats["queued_bytes"] -= size
         stats["groups_taken"] += 1
         bottle.response.content_type = "application/octet-stream"
         return body
 
     @app.get("/health")
     def health():
-        return {"status": "ok", "model": cfg.model, "waiting": todo.qsize(), "ready": done.qsize(),
-                "uptime_s": round(time.time() - started, 1), **stats}
+        return {"status": "ok", "model": cfg.model, "uptime_s": round(time.time() - started, 1)}
+
+    @app.get("/stats")
+    def stats_():
+        return {"waiting": todo.qsize(), "ready": done.qsize(), "uptime_s": round(time.time() - started, 1), **stats}
 
     return app
 
@@ -113,7 +157,18 @@ class ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True  # a waiting /get must not block uploads
 
 
+class QuietHandler(WSGIRequestHandler):
+    timeout = 60  # a client that stops sending mid-request loses its connection, not a thread forever
+
+    def log_request(self, *args):  # one line per request would flood the log
+        pass
+
+
 def main(cfg: ServerConfig):
+    cfg.token = cfg.token or os.environ.get(TOKEN_ENV, "")
+    if not is_loopback(cfg.host) and not cfg.token:
+        raise SystemExit(f"refusing to listen on {cfg.host} without a token: anyone who reaches it could feed "
+                         f"the trainer. Set --token or {TOKEN_ENV} (trainers pass it as --ref_token).")
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(cfg.threads)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
@@ -121,7 +176,8 @@ def main(cfg: ServerConfig):
     model.requires_grad_(False)
     app = make_app(model, cfg)
     print(f"ref server: {cfg.model} on {cfg.device}, listening on http://{cfg.host}:{cfg.port}", flush=True)
-    bottle.run(app, host=cfg.host, port=cfg.port, server_class=ThreadingWSGIServer, quiet=True)
+    bottle.run(app, host=cfg.host, port=cfg.port, server_class=ThreadingWSGIServer,
+              handler_class=QuietHandler, quiet=True)
 
 
 if __name__ == "__main__":

@@ -157,3 +157,18 @@ def test_a_short_run_overlaps_and_leaves_no_process(server):  # noqa: F811
     assert os.path.exists(os.path.join(ROOT, "runs", "test_vllm_one", "step_4", "model.safetensors"))
     _, alive = psutil.wait_procs(children, timeout=10)
     assert children and not alive, [p.cmdline() for p in alive]
+
+
+@pytest.mark.slow
+def test_resume_continues_a_run_with_the_checkpoints_weights(server):  # noqa: F811
+    # runs/test_vllm_one holds the 4-step run of the test above, with its checkpoint step_4
+    trainer = subprocess.run([sys.executable, "grpo_vllm_one.py", "--ref_url", server, "--steps", "6", "--resume",
+                              "--run_name", "test_vllm_one", "--batch_prompts", "4", "--save_every", "100"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert trainer.returncode == 0, trainer.stderr[-3000:]
+    assert "resuming after step 4" in trainer.stdout
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", "test_vllm_one", "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert rows[4]["policy_lag"] == 0  # step 5 trains on rollouts of the checkpoint's weights
+    assert os.path.exists(os.path.join(ROOT, "runs", "test_vllm_one", "step_6", "model.safetensors"))
+    assert not os.path.isdir(os.path.join(ROOT, "runs", "test_vllm_one", "step_4", "deepspeed"))

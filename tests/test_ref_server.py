@@ -36,9 +36,12 @@ def take(url):
     return decode(r.content)
 
 
-def test_health_answers_json(server):
-    health = requests.get(server + "/health", timeout=5).json()
-    assert health["status"] == "ok" and "waiting" in health
+def test_health_and_stats_answer_json(server):
+    assert requests.get(server + "/health", timeout=5).json()["status"] == "ok"
+    stats = requests.get(server + "/stats", timeout=5).json()
+    for key in ("waiting", "ready", "groups_in", "groups_out", "groups_taken", "rejected", "rejected_full",
+                "errors", "queued_bytes", "uptime_s"):
+        assert key in stats, key
 
 
 def test_ref_logps_equal_a_direct_transformers_forward(server):

@@ -7,11 +7,12 @@
 3. trains with grpo_train.py or grpo_vllm_one.py (--trainer);
 4. evaluates the final checkpoint the same way;
 5. prints both and one last JSON line {"before": {...}, "after": {...}, "minutes": m}.
-The server is stopped at the end, on errors and on Ctrl-C.
+The server and trainer are stopped at the end, on errors, on Ctrl-C and on SIGTERM.
 """
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -29,15 +30,17 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_ref_server(port, env):
+def start_ref_server(port, env, *args, token=""):
+    """ref_server.py in the background (extra flags in args), once its /health answers."""
     proc = subprocess.Popen([sys.executable, "ref_server.py", "--model", MODEL, "--port", str(port),
-                             "--threads", "2"], cwd=ROOT, env=env)
+                             "--threads", "2", *args], cwd=ROOT, env=env)
     deadline = time.time() + 120
     while time.time() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"ref_server.py exited with code {proc.returncode} during start-up")
         try:
-            requests.get(f"http://127.0.0.1:{port}/health", timeout=1).raise_for_status()
+            requests.get(f"http://127.0.0.1:{port}/health", timeout=1,
+                         headers={"Authorization": f"Bearer {token}"} if token else {}).raise_for_status()
             return proc
         except requests.RequestException:
             time.sleep(0.5)
@@ -70,16 +73,22 @@ def main():
     t0 = time.time()
     before = evaluate(MODEL, env)
     port = free_port()
-    server = start_ref_server(port, env)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill` runs the clean-up below too
+    server, trainer = start_ref_server(port, env), None
     try:
-        subprocess.run([sys.executable, f"{args.trainer}.py", "--ref_url", f"http://127.0.0.1:{port}",
-                        "--run_name", run_name, "--seed", str(args.seed), "--steps", str(args.steps),
-                        *args.train_args], cwd=ROOT, env=env, check=True)
-    except subprocess.CalledProcessError as e:
-        raise SystemExit(f"{args.trainer}.py failed with exit code {e.returncode}") from None
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+        trainer = subprocess.Popen([sys.executable, f"{args.trainer}.py", "--ref_url", f"http://127.0.0.1:{port}",
+                                    "--run_name", run_name, "--seed", str(args.seed), "--steps", str(args.steps),
+                                    *args.train_args], cwd=ROOT, env=env)
+        if trainer.wait() != 0:
+            raise SystemExit(f"{args.trainer}.py failed with exit code {trainer.returncode}")
+    finally:  # stop what we started; the trainer stops its own generation worker
+        for proc in (trainer, server):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
     after = evaluate(os.path.join("runs", run_name, f"step_{args.steps}"), env)
     keep = ("accuracy", "format_rate", "accuracy_in_format", "n")
     report = {"before": {k: before[k] for k in keep}, "after": {k: after[k] for k in keep},

@@ -1,0 +1,88 @@
+"""Checkpoints a kill cannot corrupt, and resuming from them (both trainers).
+
+runs/NAME/step_N/ holds the policy in HF format (load it with from_pretrained, evaluate it,
+serve it) and, in deepspeed/, what a resumed run needs: optimizer and scheduler states, the
+step, the random number generators and the data position. A checkpoint is written to
+step_N.tmp/ and renamed to step_N/ only when complete: a rename is atomic, so a kill leaves
+either the whole checkpoint or a .tmp/ that --resume ignores and removes. Only the latest
+checkpoint keeps its deepspeed/ state (the optimizer's moments are twice the model's size).
+"""
+import os
+import random
+import re
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+STATE_DIR = "deepspeed"
+
+
+def rng_states():
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states):
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_checkpoint(engine, tokenizer, run_dir, step, state):
+    """runs/NAME/step_N/: the HF model and tokenizer, and in deepspeed/ the engine's full state
+    with `state` (the trainer's own: data position ...) and the RNG states. Every rank calls it."""
+    final = os.path.join(run_dir, f"step_{step}")
+    tmp, rank0 = final + ".tmp", engine.global_rank == 0
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    barrier()
+    engine.save_checkpoint(tmp, tag=STATE_DIR, client_state={"trainer": state, "rng": rng_states()},
+                           save_latest=False)
+    if rank0:
+        engine.module.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)  # the checkpoint exists from here on, whole
+        for d in checkpoint_dirs(run_dir):  # older ones keep the HF model, not the optimizer state
+            if d != final:
+                shutil.rmtree(os.path.join(d, STATE_DIR), ignore_errors=True)
+    barrier()
+
+
+def checkpoint_dirs(run_dir):
+    """The complete checkpoints of a run (step_N/, not step_N.tmp/), oldest first."""
+    steps = sorted(int(m.group(1)) for d in os.listdir(run_dir) if (m := re.fullmatch(r"step_(\d+)", d)))
+    return [os.path.join(run_dir, f"step_{s}") for s in steps]
+
+
+def load_checkpoint(engine, run_dir):
+    """Restore the latest checkpoint of run_dir into the engine and the RNGs; returns (step, state)."""
+    resumable = [d for d in checkpoint_dirs(run_dir) if os.path.isdir(os.path.join(d, STATE_DIR))]
+    if not resumable:
+        raise SystemExit(f"--resume: no checkpoint to resume from in {run_dir}/ (a run saves one every "
+                         f"--save_every steps); start without --resume")
+    path, client = resumable[-1], None
+    _, client = engine.load_checkpoint(path, tag=STATE_DIR, load_module_strict=True)
+    if client is None:
+        raise SystemExit(f"--resume: {path}/{STATE_DIR} could not be loaded")
+    set_rng_states(client["rng"])
+    return int(path.rsplit("_", 1)[1]), client["trainer"]
+
+
+def remove_partial(run_dir):
+    """Delete step_N.tmp/ directories a killed save left behind."""
+    for d in os.listdir(run_dir):
+        if re.fullmatch(r"step_\d+\.tmp", d):
+            print(f"{run_dir}: removing {d}/, a checkpoint whose save was interrupted")
+            shutil.rmtree(os.path.join(run_dir, d))

@@ -1,0 +1,195 @@
+"""Faults a long run meets, with the real trainer, DeepSpeed and ref server: a dead ref server,
+kills during and between checkpoint saves (then --resume), and non-finite updates."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.test_ref_server import server  # noqa: F401 - the live server fixture
+from tools.demo import ROOT, free_port, start_ref_server
+
+TRAIN = [sys.executable, "grpo_train.py", "--batch_prompts", "4", "--save_every", "2"]
+
+
+def metrics(run):
+    path = os.path.join(ROOT, "runs", run, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+def fresh(run):
+    """No trace of an earlier run under this name (its files would satisfy the waits below)."""
+    shutil.rmtree(os.path.join(ROOT, "runs", run), ignore_errors=True)
+    return run
+
+
+def wait_for(condition, timeout, proc=None, poll=0.05):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if condition():
+            return True
+        assert proc is None or proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(poll)
+    raise AssertionError("timed out")
+
+
+def test_the_trainer_stops_naming_a_ref_server_that_died():
+    port = free_port()
+    ref = start_ref_server(port, dict(os.environ))
+    trainer = subprocess.Popen(TRAIN + ["--ref_url", f"http://127.0.0.1:{port}", "--steps", "100", "--peer_timeout", "20",
+                                        "--run_name", fresh("test_ref_dies")], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: len(metrics("test_ref_dies")) >= 1, 300, trainer)
+        ref.kill()
+        killed = time.time()
+        _, err = trainer.communicate(timeout=90)
+        took = time.time() - killed
+        assert trainer.returncode != 0
+        assert took < 60, took
+        assert f"ref server at http://127.0.0.1:{port} has not answered" in err, err[-2000:]
+        print(f"trainer exited {took:.1f} s after the ref server was killed")
+    finally:
+        trainer.kill()
+        ref.kill()
+
+
+def kill_during_save(proc, run_dir, step):
+    """SIGKILL proc while step_N.tmp/ exists (it is frozen first, so the save cannot finish in between).
+    Returns True if caught mid-save, False if the save was already complete."""
+    tmp = os.path.join(run_dir, f"step_{step}.tmp")
+    wait_for(lambda: os.path.isdir(tmp) or os.path.isdir(tmp[:-4]), 300, proc, poll=0.002)
+    proc.send_signal(signal.SIGSTOP)
+    caught = os.path.isdir(tmp)
+    proc.kill()
+    proc.wait(timeout=30)
+    return caught
+
+
+def test_kills_during_and_between_saves_then_resume_continue_the_same_run(server):  # noqa: F811
+    common = ["--ref_url", server, "--steps", "6", "--seed", "3"]
+    # the run as it would be without faults
+    out = subprocess.run(TRAIN + common + ["--run_name", "test_resume_ref"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    reference = metrics("test_resume_ref")
+
+    run, run_dir = fresh("test_resume"), os.path.join(ROOT, "runs", "test_resume")
+    start = lambda *extra: subprocess.Popen(TRAIN + common + ["--run_name", run, *extra], cwd=ROOT,  # noqa: E731
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # 1. killed while it writes step_4 (step_2 is complete by then)
+    proc = start()
+    caught = kill_during_save(proc, run_dir, 4)
+    if caught:
+        assert os.path.isdir(os.path.join(run_dir, "step_4.tmp")) and not os.path.isdir(os.path.join(run_dir, "step_4"))
+    # 2. resumed; killed between saves, after step 5 was logged
+    proc = start("--resume")
+    wait_for(lambda: any(r["step"] == 5 for r in metrics(run)), 300, proc)
+    proc.kill()
+    out_2 = proc.communicate(timeout=30)[0]
+    assert ("resuming after step 2" if caught else "resuming after step 4") in out_2
+    assert not os.path.exists(os.path.join(run_dir, "step_4.tmp"))
+    # 3. resumed again: from step 4 to the end
+    out = subprocess.run(TRAIN + common + ["--run_name", run, "--resume"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resuming after step 4" in out.stdout
+
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    # the resumed curve continues the interrupted one: the same data, rewards and losses as without faults
+    for got, want in zip(rows, reference):
+        assert got["reward_mean"] == want["reward_mean"] and abs(got["loss"] - want["loss"]) < 1e-5, (got, want)
+    assert sorted(os.listdir(run_dir)) == sorted(["config.json", "metrics.jsonl", "curves.png",
+                                                  "step_2", "step_4", "step_6"])
+    for step in (2, 4, 6):
+        assert os.path.exists(os.path.join(run_dir, f"step_{step}", "model.safetensors"))
+    assert os.path.isdir(os.path.join(run_dir, "step_6", "deepspeed"))  # only the latest keeps the optimizer
+    assert not os.path.isdir(os.path.join(run_dir, "step_4", "deepspeed"))
+    print(f"killed mid-save: {caught}")
+
+
+def test_resume_without_a_checkpoint_says_so(server, tmp_path):  # noqa: F811
+    out = subprocess.run(TRAIN + ["--ref_url", server, "--run_name", fresh("test_resume_none"), "--resume"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0 and "no checkpoint to resume from" in out.stderr
+
+
+NONFINITE = r"""
+import json, sys, torch
+from grpo_train import Config, make_engine, grpo_update
+cfg = Config(zero_stage=int(sys.argv[1]), threads=1)
+engine, tok = make_engine(cfg)
+g = torch.Generator().manual_seed(0)
+batch = {"prompt_ids": torch.randint(3, 500, (2, 6), generator=g), "prompt_mask": torch.ones(2, 6, dtype=torch.long),
+         "completion_ids": torch.randint(3, 500, (8, 5), generator=g), "advantages": torch.randn(8, generator=g),
+         "ref_logps": -torch.rand(8, 5, generator=g)}
+weights = lambda: torch.cat([p.detach().flatten().clone() for p in engine.module.parameters()])
+out, before = {}, weights()
+bad = dict(batch, ref_logps=batch["ref_logps"].clone())
+bad["ref_logps"][0, 0] = float("inf")                    # the loss is not finite
+out["loss"] = grpo_update(engine, bad, cfg, tok.eos_token_id)["skipped_updates"]
+out["loss_unchanged"] = bool(torch.equal(weights(), before))
+param = next(engine.module.parameters())
+hook = param.register_hook(lambda grad: grad * float("nan"))  # the loss is finite, a gradient is not
+out["grad"] = grpo_update(engine, batch, cfg, tok.eos_token_id)["skipped_updates"]
+out["grad_unchanged"] = bool(torch.equal(weights(), before))
+hook.remove()
+out["clean"] = grpo_update(engine, batch, cfg, tok.eos_token_id)["skipped_updates"]
+after = weights()
+out["clean_changed"] = bool(not torch.equal(after, before)) and bool(torch.isfinite(after).all())
+print(json.dumps(out))
+"""
+
+
+def test_a_non_finite_loss_or_gradient_skips_the_update_and_leaves_the_weights():
+    for stage in ("0", "2"):
+        out = subprocess.run([sys.executable, "-c", NONFINITE, stage], cwd=ROOT, capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        assert result == {"loss": 1, "loss_unchanged": True, "grad": 1, "grad_unchanged": True,
+                          "clean": 0, "clean_changed": True}, (stage, result)
+
+
+def test_sigterm_stops_the_trainer_and_every_process_it_started(server):  # noqa: F811
+    trainer = subprocess.Popen([sys.executable, "grpo_vllm_one.py", "--ref_url", server, "--steps", "100",
+                                "--run_name", fresh("test_sigterm"), "--batch_prompts", "4"], cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: len(metrics("test_sigterm")) >= 1 and metrics("test_sigterm")[0].get("wait_s") is not None,
+                 400, trainer)
+        children = psutil.Process(trainer.pid).children(recursive=True)
+        assert children  # the generation worker (and its helpers)
+        trainer.send_signal(signal.SIGTERM)
+        trainer.wait(timeout=60)
+        assert trainer.returncode != 0
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [p.pid for p in alive]
+    finally:
+        trainer.kill()
+
+
+@pytest.mark.slow
+def test_sigterm_to_make_demo_stops_server_trainer_and_worker():
+    demo = subprocess.Popen([sys.executable, "tools/demo.py", "--steps", "100", "--run_name", fresh("test_demo_sigterm")],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: len(metrics("test_demo_sigterm")) >= 1, 400, demo)
+        family = psutil.Process(demo.pid).children(recursive=True)
+        assert len(family) >= 3  # ref server, trainer, generation worker
+        demo.send_signal(signal.SIGTERM)
+        demo.wait(timeout=90)
+        assert demo.returncode != 0
+        _, alive = psutil.wait_procs(family, timeout=30)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        demo.kill()
