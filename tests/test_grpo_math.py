@@ -93,8 +93,22 @@ def test_chunked_logps_equal_naive_log_softmax_gather(temperature):
     logits = torch.randn(5, 7, 301) * 4
     ids = torch.randint(0, 301, (5, 7))
     naive = (logits / temperature).log_softmax(-1).gather(-1, ids[..., None])[..., 0]
-    chunked = selective_log_softmax(logits, ids, temperature, chunk_size=2)
+    chunked = selective_log_softmax(logits, ids, temperature, chunk_rows=2)
     assert torch.allclose(chunked, naive, atol=1e-6)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_chunked_logps_gradient_equals_autograd_of_naive(overwrite):
+    """The hand-written backward, allocating a gradient (leaf logits) or writing it over the
+    logits (an intermediate, as the lm_head output is)."""
+    torch.manual_seed(0)
+    leaf = (torch.randn(3, 6, 301) * 4).requires_grad_()
+    ids, weights = torch.randint(0, 301, (3, 6)), torch.randn(3, 6)
+    naive = (leaf / 0.7).log_softmax(-1).gather(-1, ids[..., None])[..., 0]
+    expected, = torch.autograd.grad((naive * weights).sum(), leaf)
+    logits = leaf * 1.0 if overwrite else leaf
+    got, = torch.autograd.grad((selective_log_softmax(logits, ids, 0.7, chunk_rows=4) * weights).sum(), leaf)
+    assert torch.allclose(got, expected, atol=1e-6)
 
 
 def test_unknown_loss_type_is_an_error():

@@ -1,0 +1,47 @@
+"""triton_loss: fused Triton kernels for the log-prob and loss path (see README.md here).
+
+    python grpo_train.py --loss_impl triton         # on a GPU; on CPU with TRITON_INTERPRET=1 (slow)
+
+selective_log_softmax_triton and per_token_loss_triton give the numbers of grpo_math's
+torch versions; choose_loss_impl falls back to torch, with one warning, where Triton cannot run.
+"""
+import os
+import warnings
+
+import torch
+
+LOGP_BLOCK = 1024  # vocabulary entries a program reads at a time
+LOSS_BLOCK = 1024  # tokens a program handles in the loss kernel
+
+
+def triton_problem():
+    """Why the kernels cannot run here, or None when they can."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
+        return None
+    return "no GPU for Triton (TRITON_INTERPRET=1 runs the kernels on CPU, slowly)"
+
+
+def choose_loss_impl(loss_impl):
+    """'torch' or 'triton' as asked, or 'torch' with a warning where Triton cannot run."""
+    if loss_impl not in ("torch", "triton"):
+        raise ValueError(f"--loss_impl must be 'torch' or 'triton', got {loss_impl!r}")
+    if loss_impl == "triton" and (problem := triton_problem()):
+        warnings.warn(f"--loss_impl triton: {problem}; using the torch implementation", stacklevel=2)
+        return "torch"
+    return loss_impl
+
+
+def selective_log_softmax_triton(logits, token_ids, temperature=1.0):
+    """log softmax(logits / temperature)[token_ids], (B, T, V), (B, T) -> (B, T), fused."""
+    from triton_loss.kernels import LogProbs
+    return LogProbs.apply(logits, token_ids, temperature, LOGP_BLOCK)
+
+
+def per_token_loss_triton(logps, old_logps, ref_logps, advantages, beta, epsilon, epsilon_high):
+    """grpo_math.per_token_loss in one kernel: (per-token loss, ratio, kl), (B, C) each."""
+    from triton_loss.kernels import PerTokenLoss
+    return PerTokenLoss.apply(logps, old_logps, ref_logps, advantages, beta, epsilon, epsilon_high, LOSS_BLOCK)
