@@ -31,6 +31,7 @@ from grpo_math import completion_mask, group_advantages, grpo_loss, prefill_prom
 from checkpoint import load_checkpoint, remove_partial, save_checkpoint
 from protocol import post_groups, ref_request, take_group
 from rewards import reference_answer, score
+from triton_loss import choose_loss_impl
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Config:
     epsilon: float = 0.2  # PPO clip range: ratio in [1 - epsilon, 1 + epsilon_high]
     epsilon_high: float = 0.2
     loss_type: str = "grpo"
+    loss_impl: str = "torch"  # "triton": fused kernels (triton_loss/), same numbers; torch where Triton can't run
     correctness_weight: float = 1.0  # reward = correctness_weight * correct + format_weight * in_format
     format_weight: float = 0.5
     save_every: int = 100  # steps between checkpoints (and one at the end)
@@ -93,13 +95,14 @@ def score_groups(completions, problems, cfg):
     return torch.tensor([s["reward"] for s in scores]), scores
 
 
-def make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, old_logps=None):
+def make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, old_logps=None, keep_equal=False):
     """One group (tensors, meta) per prompt whose rewards differ, ready to post, and has_signal (Q,).
-    A group whose rewards are all equal teaches nothing (every advantage is 0): it is dropped."""
+    A group whose rewards are all equal teaches nothing (every advantage is 0): it is dropped,
+    unless keep_equal (regroup_ver/ pools it with other answers to the same question)."""
     advantages = group_advantages(rewards, G)
     has_signal = rewards.view(-1, G).std(1) > 0
     groups = []
-    for q in torch.nonzero(has_signal).flatten().tolist():
+    for q in torch.nonzero(has_signal | keep_equal).flatten().tolist():
         rows = slice(q * G, (q + 1) * G)
         C = int(mask[rows].sum(1).max())  # trim the group's common padding
         tensors = {"prompt_ids": prompt_rows[q], "completion_ids": completion_ids[rows, :C],
@@ -199,6 +202,7 @@ def log_step(metrics_path, record):
 def make_engine(cfg):
     """The policy as a DeepSpeed engine, and its tokenizer (seeds set first)."""
     setup_distributed()
+    cfg.loss_impl = choose_loss_impl(cfg.loss_impl)  # checked before the slow start-up
     import deepspeed
     from transformers import AutoModelForCausalLM, AutoTokenizer
     torch.set_num_threads(cfg.threads)
@@ -254,11 +258,11 @@ def grpo_update(engine, batch, cfg, eos_token_id):
     old_logps, skipped, norm = batch.get("old_logps"), 0, None
     for _ in range(cfg.num_iterations):
         logps = sequence_logps(engine, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
-                               cfg.temperature)
+                               cfg.temperature, impl=cfg.loss_impl)
         old_logps = logps.detach() if old_logps is None else old_logps
         loss, stats = grpo_loss(logps, old_logps, batch["ref_logps"], batch["advantages"], mask,
                                 beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-                                loss_type=cfg.loss_type)
+                                loss_type=cfg.loss_type, impl=cfg.loss_impl)
         # one NaN or inf in an update would reach every weight through Adam's moments: skip it
         if not torch.isfinite(loss):
             skipped += 1

@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from data import chat_prompt, load_jsonl
 from grpo_math import completion_mask
+from rewards import extract_answer
 from checkpoint import save_checkpoint
 from grpo_train import (Config as TrainConfig, collate, grpo_update, log_step, make_engine, make_groups, open_run,
                         plot_curves, rollout_stats, score_groups)
@@ -55,6 +56,10 @@ class Config(TrainConfig):
     sync_every: int = 1  # optimizer steps between weight syncs to the worker
     max_policy_lag: int = 1  # the worker waits rather than sample with weights older than this
     max_model_len: int = 512
+    # regroup_ver/: upload every group, all-alike ones too, and ask such a question once more when
+    # its answers differ; ref_server_regroup.py pools the answers and serves groups with mixed rewards
+    regroup: bool = False
+    max_completions: int = 0  # stop once the worker has generated this many completions (0: run all --steps)
 
 
 # ---------------------------------------------------------------------------- vLLM helpers
@@ -180,9 +185,11 @@ def gen_worker(cfg, run_id, weights_queue, loaded, stop, parent_pid):
     # version: trainer steps in the loaded weights (None: resuming, the checkpoint's are on their way);
     # draws: batches of problems taken from rng so far, the data position a checkpoint records
     version, batch, draws, shared, load_s = (None if cfg.resume else 0), 0, 0, {}, 0.0
+    generated, ask_again = 0, []  # completions made so far; regroup: questions to ask once more
     while not stop.is_set():
         # bounded staleness: batch b is trained at trainer step b+1, by weights of version b
-        must_wait = version is None or batch - version > cfg.max_policy_lag
+        # (regroup: the server evicts old answers instead, and answers 503 when enough are ready)
+        must_wait = version is None or (not cfg.regroup and batch - version > cfg.max_policy_lag)
         try:
             message = weights_queue.get(timeout=1.0) if must_wait else weights_queue.get_nowait()
         except queue.Empty:
@@ -199,7 +206,7 @@ def gen_worker(cfg, run_id, weights_queue, loaded, stop, parent_pid):
             continue
 
         t0 = time.time()
-        batch_problems, draws = rng.sample(problems, cfg.batch_prompts), draws + 1
+        batch_problems, draws = rng.sample(problems, cfg.batch_prompts) + ask_again, draws + 1
         prompts = [chat_prompt(tokenizer, p["question"]) for p in batch_problems]
         prompt_rows, completion_ids, old_logps = sample(llm, prompts, cfg)
         mask = completion_mask(completion_ids, tokenizer.eos_token_id)
@@ -208,8 +215,16 @@ def gen_worker(cfg, run_id, weights_queue, loaded, stop, parent_pid):
         gen_s = time.time() - t0
         rewards, scores = score_groups(texts, batch_problems, cfg)
         meta = {"run_id": run_id, "policy_version": version, "temperature": cfg.temperature}
-        groups, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, old_logps)
-        stats = {**rollout_stats(rewards, scores, mask, has_signal, gen_s), "weights_load_s": load_s}
+        groups, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, old_logps,
+                                         keep_equal=cfg.regroup)
+        generated += completion_ids.size(0)
+        stats = {**rollout_stats(rewards, scores, mask, has_signal, gen_s), "weights_load_s": load_s,
+                 "generated": generated}
+        if cfg.regroup:  # a second round for the fresh questions whose answers all scored alike but
+            # differ: the model is unsure of those, and another round may bring another reward
+            answers = [extract_answer(text) for text in texts]
+            ask_again = [p for q, p in enumerate(batch_problems[:cfg.batch_prompts])
+                         if not has_signal[q] and len(set(answers[q * G:(q + 1) * G])) > 1]
         for _, m in groups:  # the trainer takes groups_in_batch groups as one batch
             m.update(batch=batch, draws=draws, groups_in_batch=len(groups), stats=stats)
         if groups:
@@ -274,12 +289,18 @@ def main(cfg: Config):
             sender.queue.put(("resume", first_step - 1, state["draws"]))
             sender.send(engine.module, first_step - 1, cfg.zero_stage, check_worker)
         bar = tqdm(range(first_step, cfg.steps + 1), desc="grpo (vllm)", initial=first_step - 1, total=cfg.steps)
+        generated, trained = 0, 0  # completions: made by the worker, in a trained group
         for step in bar:
             # 1. the next batch of groups the worker made, with ref_logps from the server
             t0 = time.time()
-            first, meta = take_group(cfg, run_id, check_worker)
-            groups = [first] + [take_group(cfg, run_id, check_worker)[0] for _ in range(meta["groups_in_batch"] - 1)]
+            taken = [take_group(cfg, run_id, check_worker, step - 1)]
+            n_groups = cfg.batch_prompts if cfg.regroup else taken[0][1]["groups_in_batch"]
+            taken += [take_group(cfg, run_id, check_worker, step - 1) for _ in range(n_groups - 1)]
+            groups, metas = [g for g, _ in taken], [m for _, m in taken]
             wait_s = time.time() - t0
+            meta, oldest = metas[-1], min(m["policy_version"] for m in metas)
+            trained += sum(g["completion_ids"].size(0) for g in groups)
+            generated = max([generated] + [m["stats"]["generated"] for m in metas])
 
             # 2. the GRPO update; old_logps are vLLM's, from the policy version that sampled
             stats = grpo_update(engine, collate(groups, tokenizer.pad_token_id), cfg, tokenizer.eos_token_id)
@@ -288,18 +309,22 @@ def main(cfg: Config):
             # 3. new weights to the worker, in memory
             if step % cfg.sync_every == 0 and step < cfg.steps:
                 sender.send(engine.module, step, cfg.zero_stage, check_worker)
-            record = {"step": step, **meta["stats"], **stats, "policy_lag": step - 1 - meta["policy_version"],
+            record = {"step": step, **meta["stats"], **stats, "policy_lag": step - 1 - oldest,
+                      "generated": generated, "trained": trained,
                       "wait_s": wait_s, "compute_s": compute_s, "sync_s": time.time() - t0 - wait_s - compute_s,
                       "step_s": time.time() - t0}
             log_step(metrics_path, record)
             bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['accuracy']:.2f}",
                             kl=f"{record['kl']:.3f}", lag=record["policy_lag"], wait=f"{wait_s:.2f}")
-            if step % cfg.save_every == 0 or step == cfg.steps:
+            last = step == cfg.steps or 0 < cfg.max_completions <= generated
+            if step % cfg.save_every == 0 or last:
                 save_checkpoint(engine, tokenizer, run_dir, step, {"draws": meta["draws"]})
+            if last:
+                break
     finally:
         stop_worker(worker, stop)
     plot_curves(metrics_path, os.path.join(run_dir, "curves.png"))
-    print(f"done: {run_dir}/step_{cfg.steps} ({run_dir}/metrics.jsonl, {run_dir}/curves.png)")
+    print(f"done: {run_dir}/step_{step} ({run_dir}/metrics.jsonl, {run_dir}/curves.png)")
 
 
 if __name__ == "__main__":

@@ -136,13 +136,15 @@ def post_groups(cfg, groups):
             raise SystemExit(f"ref server refused a group: HTTP {r.status_code} {r.text[:200]}")
 
 
-def take_group(cfg, run_id, check_alive=None):
+def take_group(cfg, run_id, check_alive=None, policy_version=None):
     """The oldest finished group (tensors, meta) of this run from the server (FIFO), waiting for one.
     Groups another run left in the server are skipped. `check_alive()` runs between polls so a
-    dead producer stops the wait with an error."""
+    dead producer stops the wait with an error. policy_version: the trainer's (the regrouping
+    server serves no answer too much older)."""
     deadline = time.time() + cfg.ref_timeout
+    params = {"wait": 2} if policy_version is None else {"wait": 2, "policy_version": policy_version}
     while True:
-        r = ref_request(cfg, "GET", "/get", params={"wait": 2})
+        r = ref_request(cfg, "GET", "/get", params=params)
         if r.status_code == 200:
             tensors, meta = decode(r.content)
             if meta.get("run_id") == run_id:

@@ -50,17 +50,21 @@ class ServerConfig:
     max_group_size: int = 256  # completions in one group
 
 
+def add_ref_logps(model, tensors, meta, device):
+    """tensors["ref_logps"] (G, C): the reference model's per-token log-probs of the completions."""
+    prompt = tensors["prompt_ids"].to(device).unsqueeze(0)  # one prompt, G completions
+    with torch.inference_mode():
+        ref_logps = sequence_logps(model, prompt, torch.ones_like(prompt), tensors["completion_ids"].to(device),
+                                   temperature=meta.get("temperature", 1.0))
+    tensors["ref_logps"] = ref_logps.float().cpu()
+
+
 def ref_worker(model, todo, done, device, stats, lock):
     """Take uploaded groups in order, add ref_logps (G, C), queue them for trainers."""
     while True:
         size, tensors, meta = todo.get()
         try:
-            prompt = tensors["prompt_ids"].to(device).unsqueeze(0)  # one prompt, G completions
-            with torch.inference_mode():
-                ref_logps = sequence_logps(model, prompt, torch.ones_like(prompt),
-                                           tensors["completion_ids"].to(device),
-                                           temperature=meta.get("temperature", 1.0))
-            tensors["ref_logps"] = ref_logps.float().cpu()
+            add_ref_logps(model, tensors, meta, device)
             done.put((size, encode(tensors, meta)))  # blocks while trainers are behind: todo then fills
             stats["groups_out"] += 1
         except Exception as e:  # noqa: BLE001 - report, keep serving
@@ -70,26 +74,19 @@ def ref_worker(model, todo, done, device, stats, lock):
             print(f"ref_worker: group dropped: {type(e).__name__}: {e}", file=sys.stderr)
 
 
-def is_loopback(host):
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+def answer(status, reason):
+    """An error response: HTTP status and a one-line JSON reason."""
+    return bottle.HTTPResponse(json.dumps({"error": reason}), status=status, content_type="application/json")
 
 
-def make_app(model, cfg: ServerConfig):
-    app = bottle.Bottle()
-    todo, done = queue.Queue(cfg.max_queue), queue.Queue(cfg.max_queue)
-    stats = {"groups_in": 0, "groups_out": 0, "groups_taken": 0, "rejected": 0, "rejected_full": 0,
-             "errors": 0, "queued_bytes": 0}
-    lock, started = threading.Lock(), time.time()
-    vocab_size = model.config.vocab_size
-    max_len = model.config.max_position_embeddings
-    threading.Thread(target=ref_worker, args=(model, todo, done, cfg.device, stats, lock),
-                     daemon=True).start()
+def add_token_check_and_health(app, cfg, stats):
+    """With cfg.token set, every request must carry 'Authorization: Bearer TOKEN' or get 401.
+    GET /health answers JSON."""
+    started = time.time()
 
-    def answer(status, reason):
-        return bottle.HTTPResponse(json.dumps({"error": reason}), status=status, content_type="application/json")
+    @app.get("/health")
+    def health():
+        return {"status": "ok", "model": cfg.model, "uptime_s": round(time.time() - started, 1)}
 
     @app.hook("before_request")
     def check_token():
@@ -98,42 +95,56 @@ def make_app(model, cfg: ServerConfig):
             stats["rejected"] += 1
             raise answer(401, "missing or wrong token (send 'Authorization: Bearer TOKEN')")
 
+
+def read_rollout(cfg, model_config, stats):
+    """The uploaded group as (body size, tensors, meta), checked; raises a 4xx answer otherwise.
+    The body's declared size is checked before it is read."""
+    limit = cfg.max_body_mb * 2**20
+    try:
+        size = bottle.request.content_length
+    except ValueError:
+        size = -1
+    status, reason = (411, "Content-Length required") if size < 0 else \
+                     (413, f"body of {size} bytes > {cfg.max_body_mb} MB") if size > limit else (0, "")
+    if not status:
+        try:
+            tensors, meta = decode(bottle.request.body.read(limit))
+            check_rollout(tensors, meta, model_config.vocab_size, model_config.max_position_embeddings,
+                          cfg.max_group_size)
+            return size, tensors, meta
+        except ValueError as e:
+            status, reason = 400, str(e)
+    stats["rejected"] += 1
+    raise answer(status, reason)
+
+
+def make_app(model, cfg: ServerConfig):
+    app = bottle.Bottle()
+    todo, done = queue.Queue(cfg.max_queue), queue.Queue(cfg.max_queue)
+    stats = {"groups_in": 0, "groups_out": 0, "groups_taken": 0, "rejected": 0, "rejected_full": 0,
+             "errors": 0, "queued_bytes": 0}
+    lock, started = threading.Lock(), time.time()
+    threading.Thread(target=ref_worker, args=(model, todo, done, cfg.device, stats, lock),
+                     daemon=True).start()
+    add_token_check_and_health(app, cfg, stats)
+
     @app.post("/upload")
     def upload():
-        limit = cfg.max_body_mb * 2**20
-        try:
-            size = bottle.request.content_length
-        except ValueError:
-            size = -1
-        status, reason = (411, "Content-Length required") if size < 0 else \
-                         (413, f"body of {size} bytes > {cfg.max_body_mb} MB") if size > limit else (0, "")
-        if not status:
-            try:
-                tensors, meta = decode(bottle.request.body.read(limit))
-                check_rollout(tensors, meta, vocab_size, max_len, cfg.max_group_size)
-            except ValueError as e:
-                status, reason = 400, str(e)
-        if not status:
-            with lock:  # bounded in bytes as well as in groups: memory stays bounded under any flood
-                if stats["queued_bytes"] + size > cfg.max_queue_mb * 2**20 or todo.full():
-                    stats["rejected_full"] += 1
-                    return answer(503, "queue full: retry later")
-                stats["queued_bytes"] += size
-                todo.put_nowait((size, tensors, meta))
-            stats["groups_in"] += 1
-            return {"ok": True}
-        stats["rejected"] += 1
-        return answer(status, reason)
+        size, tensors, meta = read_rollout(cfg, model.config, stats)
+        with lock:  # bounded in bytes as well as in groups: memory stays bounded under any flood
+            if stats["queued_bytes"] + size > cfg.max_queue_mb * 2**20 or todo.full():
+                stats["rejected_full"] += 1
+                return answer(503, "queue full: retry later")
+            stats["queued_bytes"] += size
+            todo.put_nowait((size, tensors, meta))
+        stats["groups_in"] += 1
+        return {"ok": True}
 
     @app.get("/get")
     def get():
         """The oldest finished group as safetensors bytes; 204 if none within ?wait= seconds."""
         try:
-            wait = min(max(float(bottle.request.query.get("wait") or 0), 0.0), 30.0)
-        except ValueError:
-            return answer(400, "wait must be a number of seconds")
-        try:
-            size, body = done.get(timeout=wait) if wait > 0 else done.get_nowait()
+            size, body = done.get(timeout=wait_seconds()) if wait_seconds() > 0 else done.get_nowait()
         except queue.Empty:
             return bottle.HTTPResponse(status=204)
         with lock:
@@ -142,15 +153,19 @@ def make_app(model, cfg: ServerConfig):
         bottle.response.content_type = "application/octet-stream"
         return body
 
-    @app.get("/health")
-    def health():
-        return {"status": "ok", "model": cfg.model, "uptime_s": round(time.time() - started, 1)}
-
     @app.get("/stats")
     def stats_():
         return {"waiting": todo.qsize(), "ready": done.qsize(), "uptime_s": round(time.time() - started, 1), **stats}
 
     return app
+
+
+def wait_seconds():
+    """/get's ?wait=: how long to wait for a finished group (0 to 30 s)."""
+    try:
+        return min(max(float(bottle.request.query.get("wait") or 0), 0.0), 30.0)
+    except ValueError:
+        raise answer(400, "wait must be a number of seconds") from None
 
 
 class ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
@@ -164,7 +179,15 @@ class QuietHandler(WSGIRequestHandler):
         pass
 
 
-def main(cfg: ServerConfig):
+def is_loopback(host):
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def load_model(cfg):
+    """The frozen reference model, after refusing an exposed address without a token."""
     cfg.token = cfg.token or os.environ.get(TOKEN_ENV, "")
     if not is_loopback(cfg.host) and not cfg.token:
         raise SystemExit(f"refusing to listen on {cfg.host} without a token: anyone who reaches it could feed "
@@ -173,11 +196,18 @@ def main(cfg: ServerConfig):
     torch.set_num_threads(cfg.threads)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype).to(cfg.device).eval()
-    model.requires_grad_(False)
-    app = make_app(model, cfg)
-    print(f"ref server: {cfg.model} on {cfg.device}, listening on http://{cfg.host}:{cfg.port}", flush=True)
+    return model.requires_grad_(False)
+
+
+def serve(app, cfg, name="ref server"):
+    print(f"{name}: {cfg.model} on {cfg.device}, listening on http://{cfg.host}:{cfg.port}", flush=True)
     bottle.run(app, host=cfg.host, port=cfg.port, server_class=ThreadingWSGIServer,
-              handler_class=QuietHandler, quiet=True)
+               handler_class=QuietHandler, quiet=True)
+
+
+def main(cfg: ServerConfig):
+    model = load_model(cfg)
+    serve(make_app(model, cfg), cfg)
 
 
 if __name__ == "__main__":

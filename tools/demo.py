@@ -30,14 +30,14 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_ref_server(port, env, *args, token=""):
-    """ref_server.py in the background (extra flags in args), once its /health answers."""
-    proc = subprocess.Popen([sys.executable, "ref_server.py", "--model", MODEL, "--port", str(port),
+def start_ref_server(port, env, *args, token="", script="ref_server.py"):
+    """ref_server.py (or script) in the background (extra flags in args), once its /health answers."""
+    proc = subprocess.Popen([sys.executable, script, "--model", MODEL, "--port", str(port),
                              "--threads", "2", *args], cwd=ROOT, env=env)
     deadline = time.time() + 120
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"ref_server.py exited with code {proc.returncode} during start-up")
+            raise SystemExit(f"{script} exited with code {proc.returncode} during start-up")
         try:
             requests.get(f"http://127.0.0.1:{port}/health", timeout=1,
                          headers={"Authorization": f"Bearer {token}"} if token else {}).raise_for_status()
@@ -45,7 +45,7 @@ def start_ref_server(port, env, *args, token=""):
         except requests.RequestException:
             time.sleep(0.5)
     proc.terminate()
-    raise SystemExit("ref_server.py did not answer /health within 120 s")
+    raise SystemExit(f"{script} did not answer /health within 120 s")
 
 
 def evaluate(model_dir, env, data=TEST):

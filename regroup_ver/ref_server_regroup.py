@@ -1,0 +1,199 @@
+"""The regrouping reference server: pools answers per question, serves groups with mixed rewards.
+
+    python regroup_ver/ref_server_regroup.py            # 127.0.0.1:59875, tiny default model
+    python regroup_ver/grpo_regroup.py                  # the trainer that feeds it (see README.md here)
+
+When all G answers to a question are right, or all wrong, every advantage is 0 and the
+group teaches nothing. The plain ref_server.py never sees such groups (trainers drop them).
+Here generators upload every group, and the server keeps, per question, a pool of answers
+(completion, reward, policy version, behaviour log-probs). When a question's pool holds G
+answers whose rewards are not all equal, it serves them as one group: advantages over that
+group, reference log-probs added, and each answer keeps its own behaviour log-probs, so the
+trainer's ratio exp(logp - old_logp) corrects and clips older answers like any off-policy data.
+
+The price is staleness: a pooled answer may wait for its question to be asked again. Answers
+older than --max_policy_lag versions are evicted and never served; pools are capped in size
+and in number, so memory stays bounded. Uploads, checks, tokens and /health are ref_server.py's.
+"""
+import os
+import queue
+import sys
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import bottle
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the main code, one level up
+from grpo_math import completion_mask, group_advantages  # noqa: E402
+from protocol import encode  # noqa: E402
+from ref_server import (ServerConfig, add_ref_logps, add_token_check_and_health, answer, load_model,  # noqa: E402
+                        read_rollout, serve, wait_seconds)
+
+
+@dataclass
+class RegroupConfig(ServerConfig):
+    num_generations: int = 8  # answers in a served group (the trainer's G)
+    max_policy_lag: int = 4  # answers this many versions older than the newest seen are evicted
+    pool_size: int = 32  # answers kept per question (the oldest go first)
+    max_questions: int = 2048  # questions pooled (the least recently answered go first)
+    max_ready: int = 16  # served groups waiting for trainers; /upload answers 503 beyond it
+
+
+class Pools:
+    """Per (run, question): answers waiting to be served, each (completion_ids (C,), reward,
+    version, old_logps (C,)) trimmed at its EOS. Call under the server's lock."""
+
+    def __init__(self, cfg, eos_token_id, pad_token_id):
+        self.cfg, self.eos, self.pad = cfg, eos_token_id, pad_token_id
+        self.pools = OrderedDict()  # key -> {"prompt_ids", "temperature", "answers": [...]}
+        self.newest = 0  # the newest policy version seen: the age of an answer counts from it
+        self.stats = {"answers_in": 0, "answers_served": 0, "answers_evicted": 0, "groups_formed": 0}
+
+    def add(self, tensors, meta):
+        """Pool an uploaded group's answers; returns the key of their question."""
+        key = (meta.get("run_id"), tuple(tensors["prompt_ids"].tolist()))
+        pool = self.pools.pop(key, None) or {"prompt_ids": tensors["prompt_ids"], "answers": []}
+        pool["meta"] = meta  # the latest upload's: temperature, the generator's stats for the trainer's log
+        self.pools[key] = pool  # now the most recently answered
+        lengths = completion_mask(tensors["completion_ids"], self.eos).sum(1).long().tolist()
+        for i, n in enumerate(lengths):
+            pool["answers"].append((tensors["completion_ids"][i, :n].clone(), float(tensors["rewards"][i]),
+                                    meta.get("policy_version", 0), tensors["old_logps"][i, :n].clone()))
+        self.stats["answers_in"] += len(lengths)
+        if len(pool["answers"]) > self.cfg.pool_size:  # cap the pool: drop its oldest answers
+            drop = len(pool["answers"]) - self.cfg.pool_size
+            pool["answers"] = pool["answers"][drop:]
+            self.stats["answers_evicted"] += drop
+        while len(self.pools) > self.cfg.max_questions:  # cap the questions: drop the least recent
+            self.stats["answers_evicted"] += len(self.pools.popitem(last=False)[1]["answers"])
+        self.see_version(meta.get("policy_version", 0))
+        return key
+
+    def see_version(self, version):
+        """A newer policy exists: evict answers more than max_policy_lag versions older."""
+        if version <= self.newest:
+            return
+        self.newest = version
+        for key in list(self.pools):
+            answers = self.pools[key]["answers"]
+            fresh = [a for a in answers if a[2] >= self.newest - self.cfg.max_policy_lag]
+            self.stats["answers_evicted"] += len(answers) - len(fresh)
+            if fresh:
+                self.pools[key]["answers"] = fresh
+            else:
+                del self.pools[key]
+
+    def take_group(self, key):
+        """G answers of one question with mixed rewards, as a group to serve, or None. The group is
+        the freshest answer of the rarest reward, then the freshest answers of other rewards, then
+        the freshest of the rest: each group uses up one rare answer, so the pool yields as many
+        mixed groups as it can (8 wrong answers and then 2 right of 8 more make two groups, not
+        one). Served answers leave the pool."""
+        pool, G = self.pools.get(key), self.cfg.num_generations
+        if pool is None or len(pool["answers"]) < G:
+            return None
+        answers = sorted(pool["answers"], key=lambda a: -a[2])  # freshest first
+        by_reward = {}
+        for a in answers:
+            by_reward.setdefault(a[1], []).append(a)
+        if len(by_reward) < 2:
+            return None  # all answers alike so far: wait for more
+        rare = min(by_reward.values(), key=len)[0]
+        chosen = [rare] + [a for a in answers if a[1] != rare[1]][:G - 1]
+        chosen += [a for a in answers if a[1] == rare[1] and a is not rare][:G - len(chosen)]
+        pool["answers"] = [a for a in pool["answers"] if not any(a is c for c in chosen)]
+        self.stats["answers_served"] += G
+        self.stats["groups_formed"] += 1
+        C = max(a[0].numel() for a in chosen)
+        rewards = torch.tensor([a[1] for a in chosen])
+        versions = [a[2] for a in chosen]
+        tensors = {"prompt_ids": pool["prompt_ids"],
+                   "completion_ids": torch.stack([torch.nn.functional.pad(a[0], (0, C - a[0].numel()), value=self.pad)
+                                                  for a in chosen]),
+                   "rewards": rewards, "advantages": group_advantages(rewards, G),  # over the served group
+                   "old_logps": torch.stack([torch.nn.functional.pad(a[3], (0, C - a[3].numel())) for a in chosen])}
+        meta = {**pool["meta"], "policy_version": min(versions), "policy_versions": versions}
+        return tensors, meta
+
+    def sizes(self):
+        answers = [a for p in self.pools.values() for a in p["answers"]]
+        return {"pool_questions": len(self.pools), "pool_answers": len(answers),
+                "pool_bytes": sum(a[0].numel() * 8 + a[3].numel() * 4 for a in answers)}
+
+
+def make_app(model, tokenizer, cfg: RegroupConfig):
+    app = bottle.Bottle()
+    todo, done = queue.Queue(), queue.Queue()  # formed groups -> ref log-probs -> trainers; max_ready bounds both
+    pools = Pools(cfg, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    stats = {"groups_in": 0, "groups_taken": 0, "groups_stale": 0, "rejected": 0, "rejected_full": 0, "errors": 0}
+    lock, started = threading.Lock(), time.time()
+    add_token_check_and_health(app, cfg, stats)
+
+    def ref_worker():
+        while True:
+            tensors, meta = todo.get()
+            try:
+                add_ref_logps(model, tensors, meta, cfg.device)
+                done.put((meta["policy_version"], encode(tensors, meta)))
+            except Exception as e:  # noqa: BLE001 - report, keep serving
+                stats["errors"] += 1
+                print(f"ref_worker: group dropped: {type(e).__name__}: {e}", file=sys.stderr)
+    threading.Thread(target=ref_worker, daemon=True).start()
+
+    @app.post("/upload")
+    def upload():
+        _, tensors, meta = read_rollout(cfg, model.config, stats)
+        if "old_logps" not in tensors or tensors["completion_ids"].size(0) > cfg.pool_size:
+            stats["rejected"] += 1
+            return answer(400, f"regroup uploads need old_logps (behaviour log-probs) and at most "
+                               f"{cfg.pool_size} completions")
+        with lock:
+            if todo.qsize() + done.qsize() >= cfg.max_ready:  # trainers are behind: generators wait
+                stats["rejected_full"] += 1
+                return answer(503, "enough groups ready: retry later")
+            key = pools.add(tensors, meta)
+            while (group := pools.take_group(key)) is not None:
+                todo.put(group)
+        stats["groups_in"] += 1
+        return {"ok": True}
+
+    @app.get("/get")
+    def get():
+        """The oldest formed group; ?policy_version=N tells the trainer's version, and groups with
+        answers more than max_policy_lag older are dropped here rather than served."""
+        try:
+            version = int(bottle.request.query.get("policy_version") or 0)
+        except ValueError:
+            return answer(400, "policy_version must be an integer")
+        with lock:
+            pools.see_version(version)
+        deadline = time.time() + wait_seconds()
+        while True:
+            try:
+                oldest, body = done.get(timeout=max(deadline - time.time(), 0.01))
+            except queue.Empty:
+                return bottle.HTTPResponse(status=204)
+            if oldest >= pools.newest - cfg.max_policy_lag:
+                break
+            stats["groups_stale"] += 1
+        stats["groups_taken"] += 1
+        bottle.response.content_type = "application/octet-stream"
+        return body
+
+    @app.get("/stats")
+    def stats_():
+        with lock:
+            return {"forming": todo.qsize(), "ready": done.qsize(), "newest_version": pools.newest,
+                    "uptime_s": round(time.time() - started, 1), **stats, **pools.stats, **pools.sizes()}
+
+    return app
+
+
+if __name__ == "__main__":
+    from transformers import AutoTokenizer, HfArgumentParser
+    (config,) = HfArgumentParser(RegroupConfig).parse_args_into_dataclasses()
+    serve(make_app(load_model(config), AutoTokenizer.from_pretrained(config.model), config), config,
+          name="regroup ref server")
