@@ -1,14 +1,19 @@
 """triton_loss/ kernels in Triton's CPU interpreter against torch autograd: forward and gradient.
 
 Run by tests/test_triton_loss.py in a process of its own with TRITON_INTERPRET=1 set before anything
-imports triton: Triton picks compiled or interpreted kernels (its own tl.max included) at import."""
+imports triton: Triton picks compiled or interpreted kernels (its own tl.max included) at import.
+On a GPU, `pytest tests/triton_kernel_cases.py` runs the same cases compiled, on CUDA tensors."""
 import os
 
 import pytest
 import torch
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    raise pytest.UsageError("run with TRITON_INTERPRET=1 (tests/test_triton_loss.py does)")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pass  # the interpreter: tensors on the CPU
+elif torch.cuda.is_available():
+    torch.set_default_device("cuda")  # compiled kernels on a GPU: `pytest tests/triton_kernel_cases.py` there
+else:
+    raise pytest.UsageError("run with TRITON_INTERPRET=1 (tests/test_triton_loss.py does) or on a GPU")
 
 from grpo_math import grpo_loss, per_token_loss, sequence_logps  # noqa: E402
 from triton_loss import per_token_loss_triton, selective_log_softmax_triton  # noqa: E402
@@ -85,7 +90,7 @@ def test_loss_kernel_matches_the_torch_loss_and_gradient(beta, epsilon, epsilon_
 def test_sequence_logps_on_the_tiny_model_are_the_same_with_the_kernels():
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(os.path.join(os.path.dirname(os.path.dirname(__file__)),
-                                                              "models", "tiny-math"), dtype=torch.float32)
+                                                              "models", "tiny-math"), dtype=torch.float32).to(torch.get_default_device())
     torch.manual_seed(0)
     prompt_ids, completion_ids = torch.randint(3, 500, (2, 9)), torch.randint(3, 500, (6, 5))
     prompt_mask = torch.ones_like(prompt_ids)

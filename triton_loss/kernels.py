@@ -12,6 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
+# No fused multiply-add in the log-prob kernels: fma(x, 1/T, -m) keeps the exact product where m
+# holds it rounded, so the largest logit would no longer cancel itself exactly: at logits of 1e4
+# on an H100 that moved a log-prob of ~0 to -3e-4. Separately rounded, the kernel gives torch's numbers.
+NO_FMA = {"enable_fp_fusion": False}
+
 
 @triton.jit
 def _logp_forward(logits_ptr, ids_ptr, logps_ptr, lse_ptr, V, inv_temperature, BLOCK: tl.constexpr):
@@ -58,7 +63,7 @@ class LogProbs(torch.autograd.Function):
         rows, ids = logits.reshape(-1, V).contiguous(), token_ids.reshape(-1).contiguous()
         logps = torch.empty(rows.size(0), device=logits.device, dtype=torch.float32)
         lse = torch.empty_like(logps)
-        _logp_forward[(rows.size(0),)](rows, ids, logps, lse, V, 1.0 / temperature, BLOCK=block)
+        _logp_forward[(rows.size(0),)](rows, ids, logps, lse, V, 1.0 / temperature, BLOCK=block, **NO_FMA)
         ctx.save_for_backward(rows, ids, lse)
         ctx.temperature, ctx.block, ctx.shape = temperature, block, logits.shape
         # write the gradient over the logits when they are an intermediate nothing else reads
@@ -70,7 +75,7 @@ class LogProbs(torch.autograd.Function):
         rows, ids, lse = ctx.saved_tensors
         grad = rows if ctx.overwrite else torch.empty_like(rows)
         _logp_backward[(rows.size(0),)](rows, grad, ids, lse, grad_logps.reshape(-1).float().contiguous(),
-                                        rows.size(1), 1.0 / ctx.temperature, BLOCK=ctx.block)
+                                        rows.size(1), 1.0 / ctx.temperature, BLOCK=ctx.block, **NO_FMA)
         return grad.view(ctx.shape), None, None, None
 
 
