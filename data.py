@@ -1,9 +1,16 @@
-"""Problems and prompts: reading GSM8K-format JSONL and turning questions into chat prompts.
+"""Problems and prompts: reading GSM8K-format problems and turning questions into prompts.
 
-A problem is {"question": str, "answer": "...#### N"}. The prompt is the model's chat
-template applied to the system prompt below and the question, ready for generation.
+A problem is {"question": str, "answer": "...#### N"}. `load_problems` reads them from a
+local .jsonl, .json, .parquet or .csv file, or from a Hugging Face hub dataset
+("openai/gsm8k", config "main"); other field names map onto these two. The prompt is the
+model's chat template applied to the system prompt below and the question (or plain text
+for base models without one), ready for generation.
 """
+import csv
 import json
+import os
+
+from rewards import reference_answer
 
 # The system prompt of the R1-Zero-style GSM8K recipe (as in lsdefine/simple_GRPO).
 SYSTEM_PROMPT = ("A conversation between User and Assistant. The user asks a question, and the "
@@ -12,29 +19,125 @@ SYSTEM_PROMPT = ("A conversation between User and Assistant. The user asks a que
                  "answer are enclosed within <think> </think> and <answer> </answer> tags, "
                  "respectively, i.e., <think> reasoning process here </think><answer> answer "
                  "here </answer>.")
+FILE_TYPES = (".jsonl", ".json", ".parquet", ".csv")
+
+
+def _json_lines(path, text):
+    """(where, row) pairs of a JSON-lines text; blank lines are skipped but still counted."""
+    rows = []
+    for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines(): JSON strings may hold U+2028
+        if line.strip():
+            try:
+                rows.append((f"line {lineno}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
+    return rows
+
+
+def _read_file(path):
+    """(where, row) pairs of a local file, `where` as a user counts: JSONL lines, else data rows."""
+    ext = os.path.splitext(path)[1]
+    if ext == ".csv":
+        with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: spreadsheets start with a BOM
+            return [(f"row {i}", row) for i, row in enumerate(csv.DictReader(f), 1)]
+    if ext == ".parquet":
+        import pyarrow.parquet as pq
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
+        return [(f"row {i}", row) for i, row in enumerate(rows, 1)]
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if ext == ".json" and text.lstrip().startswith("["):  # a JSON list; other .json files are JSON lines
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+        return [(f"row {i}", row) for i, row in enumerate(rows, 1)]
+    return _json_lines(path, text)
+
+
+def _read_hub(name, config, split):
+    """(where, row) pairs of a hub dataset split; fails in seconds when the hub is unreachable."""
+    import datasets
+    import requests
+    from huggingface_hub import constants
+    config_part = f"config {config!r}, " if config else ""
+    what = f"dataset {name!r} ({config_part}split {split!r}) from the Hugging Face hub"
+    if not datasets.config.HF_HUB_OFFLINE:  # the hub client retries for ~25 s before it gives up
+        try:
+            requests.head(constants.ENDPOINT, timeout=5)
+        except requests.RequestException as e:
+            raise ConnectionError(f"could not load {what}: {constants.ENDPOINT} did not answer "
+                                  f"({type(e).__name__}). For a local file give its path "
+                                  f"({', '.join(FILE_TYPES)}); for a copy in the hub cache set "
+                                  "HF_HUB_OFFLINE=1") from None
+    try:
+        rows = datasets.load_dataset(name, config, split=split)
+    except Exception as e:  # not found, gated, unknown config or split, offline and not cached
+        raise OSError(f"could not load {what}: {e}") from e
+    return [(f"row {i}", dict(row)) for i, row in enumerate(rows, 1)]
+
+
+def _problems(rows, source, question_field, answer_field):
+    """Rows -> problems with the canonical keys; the first bad row raises naming source and row."""
+    if not rows:
+        raise ValueError(f"{source}: no problems in it")
+    problems = []
+    for where, row in rows:
+        if not isinstance(row, dict):
+            raise ValueError(f"{source}, {where}: expected an object with fields, got {type(row).__name__}")
+        for field in (question_field, answer_field):
+            if field not in row:
+                raise ValueError(f"{source}, {where}: no field {field!r}; fields present: "
+                                 f"{sorted(map(str, row))} (choose them with question_field / answer_field)")
+        question, answer = row[question_field], row[answer_field]
+        for field, value in ((question_field, question), (answer_field, answer)):
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"{source}, {where}: field {field!r} must be non-empty text, got {value!r}")
+        try:
+            reference_answer(answer)  # the correctness reward needs GSM8K's '#### N' line
+        except ValueError as e:
+            raise ValueError(f"{source}, {where}: {e}") from None
+        rest = {k: v for k, v in row.items() if k not in (question_field, answer_field)}
+        problems.append({**rest, "question": question, "answer": answer})
+    return problems
+
+
+def load_problems(dataset, *, split="train", config=None, question_field="question", answer_field="answer"):
+    """Problems from a local file (by extension) or, when `dataset` is no existing path, a hub
+    dataset name. `split` and `config` apply to hub datasets only."""
+    dataset = os.fspath(dataset)
+    if dataset.endswith(FILE_TYPES) or os.path.exists(dataset):
+        if not os.path.isfile(dataset):
+            raise FileNotFoundError(f"data file {dataset} not found")
+        if not dataset.endswith(FILE_TYPES):
+            raise ValueError(f"{dataset}: unknown file type; use one of {', '.join(FILE_TYPES)}")
+        rows, source = _read_file(dataset), dataset
+    else:
+        rows, source = _read_hub(dataset, config, split), f"{dataset} [{split}]"
+    return _problems(rows, source, question_field, answer_field)
 
 
 def load_jsonl(path):
-    """Problems from a JSONL file; a bad row raises an error naming the file and line."""
-    problems = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            missing = [k for k in ("question", "answer") if not isinstance(row.get(k), str)]
-            if missing:
-                raise ValueError(f"{path}:{lineno}: missing text field(s) {missing}")
-            problems.append(row)
-    if not problems:
-        raise ValueError(f"{path}: no problems in file")
-    return problems
+    """Problems from a GSM8K-format JSONL file; a bad row raises an error naming the file and line."""
+    with open(path, encoding="utf-8") as f:
+        return _problems(_json_lines(path, f.read()), path, "question", "answer")
 
 
 def chat_prompt(tokenizer, question):
     """The text the model continues: system prompt + question + the assistant's turn opener."""
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def make_prompt(tokenizer, question, prompt_format="chat"):
+    """The text the model continues. chat: the chat template (instruct models); raw: plain text
+    for base models without one. Raw stops at "Assistant:", not "<think>", because the format
+    reward looks for the <think> tag in the completion."""
+    if prompt_format == "chat":
+        return chat_prompt(tokenizer, question)
+    if prompt_format == "raw":
+        return f"{SYSTEM_PROMPT}\nUser: {question}\nAssistant:"
+    raise ValueError(f"unknown prompt_format {prompt_format!r}; use 'chat' or 'raw'")

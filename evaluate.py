@@ -1,7 +1,8 @@
 """Evaluate a model on GSM8K-format problems with the training rewards.
 
-    python evaluate.py --model models/tiny-math --data data/toy_math/test.jsonl
-    python evaluate.py --model runs/demo/final --data data/toy_math/test.jsonl --temperature 1.0 --samples 4 --json
+    python evaluate.py --model models/tiny-math --dataset data/toy_math/test.jsonl
+    python evaluate.py --model runs/demo/step_200 --temperature 1.0 --samples 4 --json
+    python evaluate.py --model runs/qwen/step_400 --dataset openai/gsm8k --dataset_config main --split test
 
 Greedy decoding by default. Generates with vLLM when it is installed (fast, batched),
 otherwise with transformers' generate (KV cache on). Each completion is scored by
@@ -19,14 +20,19 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from data import chat_prompt, load_jsonl
+from data import load_problems, make_prompt
 from rewards import reference_answer, score
 
 
 @dataclass
 class EvalConfig:
     model: str = "models/tiny-math"  # HF model directory
-    data: str = "data/toy_math/test.jsonl"  # GSM8K-format JSONL
+    dataset: str = "data/toy_math/test.jsonl"  # a file or a hub dataset name, as in the trainers
+    dataset_config: str = ""  # "main" for openai/gsm8k
+    split: str = "test"  # hub datasets only
+    question_field: str = "question"
+    answer_field: str = "answer"
+    prompt_format: str = "chat"  # as the model was trained: chat or raw
     n: int = 0  # evaluate the first n problems (0: all)
     temperature: float = 0.0  # 0: greedy
     samples: int = 1  # completions per problem (needs temperature > 0 when > 1)
@@ -112,7 +118,8 @@ def evaluate(cfg: EvalConfig):
         raise SystemExit("--samples > 1 needs --temperature > 0 (greedy samples are all the same)")
     if not os.path.isdir(cfg.model):
         raise SystemExit(f"model directory {cfg.model!r} not found")
-    problems = load_jsonl(cfg.data)
+    problems = load_problems(cfg.dataset, split=cfg.split, config=cfg.dataset_config or None,
+                             question_field=cfg.question_field, answer_field=cfg.answer_field)
     problems = problems[:cfg.n] if cfg.n > 0 else problems
     backend = cfg.backend
     if backend == "auto":
@@ -123,7 +130,7 @@ def evaluate(cfg: EvalConfig):
             backend = "hf"
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    prompts = [chat_prompt(tokenizer, p["question"]) for p in problems]
+    prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format) for p in problems]
     t0 = time.time()
     if backend == "vllm":
         completions, lengths = vllm_generate(cfg.model, prompts, samples=cfg.samples,
@@ -142,7 +149,7 @@ def evaluate(cfg: EvalConfig):
     if cfg.samples == 1:
         metrics.pop("pass_at_k")
     mode = "greedy" if cfg.temperature <= 0 else f"T={cfg.temperature}, {cfg.samples} samples"
-    print_table(metrics, f"{cfg.model} on {cfg.data} ({mode}, {backend})")
+    print_table(metrics, f"{cfg.model} on {cfg.dataset} ({mode}, {backend})")
     if cfg.json:
         print(json.dumps(metrics))
     return metrics

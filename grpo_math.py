@@ -8,6 +8,10 @@ log-probability of the better-than-average ones (Shao et al. 2024, DeepSeekMath)
     L_clip_t = -min(ratio_t * A, clip(ratio_t, 1 - epsilon, 1 + epsilon_high) * A)
     KL_t     = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                     k3 estimator, >= 0
     loss     = mean over sequences of [ mean over completion tokens of (L_clip_t + beta * KL_t) ]
+
+The variants of the papers that followed are options of the same few functions (names as in
+TRL's GRPOConfig): how the tokens are averaged (loss_type), whether the ratio is per token or per
+sequence (importance_sampling_level, GSPO), which KL estimator, how rewards are scaled.
 """
 import torch
 
@@ -43,11 +47,13 @@ class ChunkedLogProbs(torch.autograd.Function):
         rows, ids = logits.reshape(-1, V), token_ids.reshape(-1, 1)
         grad = rows if ctx.overwrite else torch.empty_like(rows)
         g = grad_logps.reshape(-1, 1).float() / ctx.temperature
+        in_place = grad.dtype == torch.float32  # then each chunk's gradient is computed where it goes
         for i in range(0, rows.size(0), c):
-            x = rows[i:i + c].float() / ctx.temperature
-            d = torch.exp(x - lse[i:i + c, None]).mul_(-g[i:i + c])  # -softmax * g / T
+            d = torch.div(rows[i:i + c], ctx.temperature, out=grad[i:i + c] if in_place else None).float()
+            d.sub_(lse[i:i + c, None]).exp_().mul_(-g[i:i + c])  # -softmax * g / T
             d.scatter_add_(-1, ids[i:i + c], g[i:i + c])  # + 1[v = t] * g / T
-            grad[i:i + c] = d
+            if not in_place:
+                grad[i:i + c] = d
         return grad.view(logits.shape), None, None, None
 
 
@@ -57,7 +63,8 @@ def selective_log_softmax(logits, token_ids, temperature=1.0, chunk_rows=None):
     The memory-efficient torch path (ChunkedLogProbs): the full (B, T, V) log-softmax is never
     held in memory, forward or backward. Dividing by the sampling temperature makes these the
     log-probs of the distribution the tokens were drawn from."""
-    chunk_rows = chunk_rows or max(1, (1 << 22) // logits.size(-1))  # ~4M logits (16 MB fp32) at a time
+    # ~4M logits (16 MB fp32) at a time on a CPU; on a GPU, 32M: fewer, larger kernels run faster
+    chunk_rows = chunk_rows or max(1, (1 << (22 if logits.device.type == "cpu" else 25)) // logits.size(-1))
     return ChunkedLogProbs.apply(logits, token_ids, temperature, chunk_rows)
 
 
@@ -99,62 +106,130 @@ def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, temperature=1
     return selective_log_softmax(torch.cat(logits, dim=1), completion_ids, temperature)
 
 
-def completion_mask(completion_ids, eos_token_id):
+def completion_mask(completion_ids, eos_token_id, mask_truncated=False):
     """1 for tokens up to and including the first EOS, 0 after it, (B, C).
 
     By position, not by token id: EOS itself is trained even when pad == eos, and a
-    completion cut off without EOS keeps all its tokens."""
+    completion cut off without EOS keeps all its tokens, unless mask_truncated: then it is
+    all 0 (DAPO: a cut-off answer was not judged on its merits, so it should not be trained)."""
     is_eos = completion_ids == eos_token_id
     T = completion_ids.size(1)
     first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], T, dtype=torch.long))
-    return (torch.arange(T, device=completion_ids.device)[None, :] <= first_eos[:, None]).float()
+    mask = (torch.arange(T, device=completion_ids.device)[None, :] <= first_eos[:, None]).float()
+    return mask * is_eos.any(1, keepdim=True) if mask_truncated else mask
 
 
-def group_advantages(rewards, group_size, eps=1e-4):
-    """(r - mean_group) / (std_group + eps) for rewards (B,) laid out group after group."""
+def group_advantages(rewards, group_size, scale_rewards="group", eps=1e-4):
+    """A = r - mean_group, divided by a std: the group's ("group", GRPO), the whole batch's
+    ("batch", more robust when a group's rewards are nearly equal) or none ("none", Dr. GRPO:
+    dividing by a small std weights easy and hard questions up). rewards (B,), group after group."""
     r = rewards.view(-1, group_size)
-    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).view(-1)
+    centred = r - r.mean(1, keepdim=True)
+    if scale_rewards == "group":
+        centred = centred / (r.std(1, keepdim=True) + eps)
+    elif scale_rewards == "batch":
+        centred = centred / (rewards.std() + eps)
+    elif scale_rewards != "none":
+        raise ValueError(f"unknown scale_rewards {scale_rewards!r}: use 'group', 'batch' or 'none'")
+    return centred.view(-1)
 
 
-def per_token_loss(logps, old_logps, ref_logps, advantages, beta, epsilon, epsilon_high):
-    """The clipped surrogate plus beta * k3 KL, per token, with the ratio and the KL: (B, C) each."""
+def kl_estimate(logps, ref_logps, estimator="k3"):
+    """Per-token estimates of KL(policy || ref) from samples of the policy (Schulman 2020), with
+    d = ref - logp:  k1 = -d (unbiased, can be negative);  k2 = d^2 / 2 (biased, low variance);
+    k3 = exp(d) - d - 1 (unbiased, >= 0). Each one's gradient differs: k3 is GRPO's choice."""
+    d = ref_logps - logps
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return torch.exp(d) - d - 1
+    raise ValueError(f"unknown kl_estimator {estimator!r}: use 'k1', 'k2' or 'k3'")
+
+
+def importance_ratio(logps, old_logps, mask, level="token"):
+    """exp(logp - old_logp) per token (B, C), or, at level "sequence" (GSPO, Zheng et al. 2025),
+    exp(mean over the sequence's tokens of (logp - old_logp)) (B, 1): one length-normalised ratio
+    per sequence, so one odd token cannot swing its sequence's update."""
+    log_ratio = logps - old_logps
+    if level == "token":
+        return torch.exp(log_ratio)
+    if level == "sequence":
+        return torch.exp((log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1))
+    raise ValueError(f"unknown importance_sampling_level {level!r}: use 'token' or 'sequence'")
+
+
+def per_token_loss(logps, old_logps, ref_logps, advantages, beta, epsilon, epsilon_high, *, mask=None,
+                   loss_type="grpo", importance_sampling_level="token", kl_estimator="k3"):
+    """The policy-gradient term plus beta * KL, per token, with the ratio and the KL: (B, C) each.
+
+    Clipped surrogate:  -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A)
+    cispo (MiniMax-M1): -sg(min(ratio, 1 + epsilon_high)) * A * logp: the importance weight is
+                        capped and detached, so no token's gradient is ever clipped away."""
     A = advantages[:, None]
-    ratio = torch.exp(logps - old_logps)
-    clipped_ratio = ratio.clamp(1 - epsilon, 1 + epsilon_high)
-    per_token = -torch.min(ratio * A, clipped_ratio * A)
+    if mask is None:
+        mask = torch.ones_like(logps)
+    ratio = importance_ratio(logps, old_logps, mask, importance_sampling_level)
+    if loss_type == "cispo":
+        per_token = -ratio.clamp(max=1 + epsilon_high).detach() * A * logps
+    else:
+        per_token = -torch.min(ratio * A, ratio.clamp(1 - epsilon, 1 + epsilon_high) * A)
     kl = torch.zeros_like(logps)
     if beta != 0.0:
-        delta = ref_logps - logps
-        kl = torch.exp(delta) - delta - 1  # k3: unbiased for KL(policy || ref), always >= 0
+        kl = kl_estimate(logps, ref_logps, kl_estimator)
         per_token = per_token + beta * kl
-    return per_token, ratio, kl
+    return per_token, ratio.expand_as(logps), kl
 
 
-def grpo_loss(logps, old_logps, ref_logps, advantages, completion_mask, *, beta=0.04,
-              epsilon=0.2, epsilon_high=None, loss_type="grpo", impl="torch"):
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+
+
+def aggregate(per_token, mask, loss_type="grpo", max_completion_length=None):
+    """One number from the per-token losses; the loss types differ in how tokens are weighted.
+      grpo:         mean over each sequence's tokens, then over sequences (a token of a short
+                    answer weighs more than one of a long answer)
+      bnpo, dapo, cispo: sum over all tokens / number of tokens (every token weighs the same)
+      dr_grpo:      sum over all tokens / (sequences * max_completion_length) (a constant: no
+                    length bias at all; Liu et al. 2025)"""
+    if loss_type == "grpo":
+        return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+    if loss_type in ("bnpo", "dapo", "cispo"):
+        return (per_token * mask).sum() / mask.sum().clamp(min=1)
+    if loss_type == "dr_grpo":
+        if not max_completion_length:
+            raise ValueError("loss_type dr_grpo needs max_completion_length")
+        return (per_token * mask).sum() / (mask.size(0) * max_completion_length)
+    raise ValueError(f"unknown loss_type {loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
+
+
+def grpo_loss(logps, old_logps, ref_logps, advantages, completion_mask, *, beta=0.04, epsilon=0.2,
+              epsilon_high=None, loss_type="grpo", importance_sampling_level="token", kl_estimator="k3",
+              max_completion_length=None, impl="torch"):
     """The GRPO loss and its diagnostics. Shapes: (B, C) except advantages (B,).
 
     Argument names follow TRL's GRPOConfig. old_logps are the log-probs under the policy
     that sampled the tokens (logps.detach() when that policy is the current one: ratio 1,
     gradient -A * grad logp). ref_logps may be None when beta == 0. impl="triton" computes the
-    per-token loss in one fused kernel (triton_loss/), with the same numbers."""
-    if loss_type != "grpo":
-        raise ValueError(f"unknown loss_type {loss_type!r}: this version has 'grpo'")
+    per-token loss in one fused kernel (triton_loss/) with the same numbers; the kernel has the
+    clipped token-level loss with k3, and the other options take the torch path."""
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     mask = completion_mask
-    if impl == "triton":
-        from triton_loss import per_token_loss_triton as per_token_fn
+    options = {"loss_type": loss_type, "importance_sampling_level": importance_sampling_level,
+               "kl_estimator": kl_estimator}
+    if impl == "triton" and loss_type != "cispo" and importance_sampling_level == "token" and kl_estimator == "k3":
+        from triton_loss import per_token_loss_triton
+        per_token, ratio, kl = per_token_loss_triton(logps, old_logps, ref_logps, advantages, beta, epsilon,
+                                                     epsilon_high)
     else:
-        per_token_fn = per_token_loss
-    per_token, ratio, kl = per_token_fn(logps, old_logps, ref_logps, advantages, beta, epsilon, epsilon_high)
-    A = advantages[:, None]
-    # "grpo": average over each sequence's own tokens, then over sequences
-    tokens = mask.sum(1).clamp(min=1)
-    loss = ((per_token * mask).sum(1) / tokens).mean()
+        per_token, ratio, kl = per_token_loss(logps, old_logps, ref_logps, advantages, beta, epsilon,
+                                              epsilon_high, mask=mask, **options)
+    loss = aggregate(per_token, mask, loss_type, max_completion_length)
 
     with torch.no_grad():
-        n = mask.sum().clamp(min=1)
-        was_clipped = ((ratio < 1 - epsilon) & (A < 0)) | ((ratio > 1 + epsilon_high) & (A > 0))
+        A, n = advantages[:, None], mask.sum().clamp(min=1)
+        high = ratio > 1 + epsilon_high
+        was_clipped = high if loss_type == "cispo" else ((ratio < 1 - epsilon) & (A < 0)) | (high & (A > 0))
         stats = {"kl": ((kl * mask).sum() / n).item(),
                  "clip_fraction": ((was_clipped.float() * mask).sum() / n).item(),
                  "ratio_mean": ((ratio * mask).sum() / n).item()}

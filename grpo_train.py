@@ -2,7 +2,8 @@
 
     python ref_server.py &          # the frozen reference model, 127.0.0.1:59875
     python grpo_train.py            # tiny default model and toy task, on CPU
-    deepspeed grpo_train.py --model Qwen/Qwen2.5-0.5B --data gsm8k_train.jsonl
+    deepspeed grpo_train.py --model Qwen/Qwen2.5-0.5B --dataset openai/gsm8k --dataset_config main
+    python grpo_train.py --beta 0           # no KL term: no reference server at all
 
 Every step, in order:
   1. sample `batch_prompts` problems and generate `num_generations` completions for each
@@ -22,22 +23,30 @@ import shutil
 import time
 import uuid
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 import torch
 from tqdm import tqdm
 
-from data import chat_prompt, load_jsonl
-from grpo_math import completion_mask, group_advantages, grpo_loss, prefill_prompts, sequence_logps  # noqa: F401
+from data import load_problems, make_prompt
+from grpo_math import LOSS_TYPES, completion_mask, group_advantages, grpo_loss, prefill_prompts, sequence_logps
 from checkpoint import load_checkpoint, remove_partial, save_checkpoint
+from metrics import log_step, plot_curves
 from protocol import post_groups, ref_request, take_group
-from rewards import reference_answer, score
+from rewards import load_reward_file, parse_reward_spec, reference_answer, score
 from triton_loss import choose_loss_impl
 
 
 @dataclass
 class Config:
     model: str = "models/tiny-math"  # policy initialisation (HF directory or hub name)
-    data: str = "data/toy_math/train.jsonl"  # GSM8K-format JSONL
+    # problems: a .jsonl/.json/.parquet/.csv file, or a hub dataset name (with its config and split)
+    dataset: str = "data/toy_math/train.jsonl"
+    dataset_config: str = ""  # e.g. "main" for openai/gsm8k
+    split: str = "train"
+    question_field: str = "question"  # the fields holding the question and the "... #### N" answer
+    answer_field: str = "answer"
+    prompt_format: str = "chat"  # chat: the model's chat template; raw: plain text (base models without one)
     ref_url: str = "http://127.0.0.1:59875"  # the reference server (python ref_server.py)
     run_name: str = "demo"  # outputs go to runs/RUN_NAME/
     seed: int = 0
@@ -49,14 +58,20 @@ class Config:
     # (dev greedy accuracy after 150 steps: 0.434 vs 0.406; after 300: 0.48 vs 0.406 for 0.5)
     temperature: float = 0.7
     lr: float = 1e-4  # tiny model: 2e-4 learned slower and 5e-4 collapsed (KL > 1)
-    beta: float = 0.04  # weight of the KL penalty to the reference model
+    beta: float = 0.04  # weight of the KL penalty to the reference model; 0: no reference server
+    kl_estimator: str = "k3"  # k1, k2 or k3 (grpo_math.kl_estimate)
     num_iterations: int = 1  # optimizer steps per batch of rollouts (TRL's num_iterations, PPO's epochs)
+    micro_batch_groups: int = 0  # groups per forward/backward (0: the whole batch at once); less memory, same step
     epsilon: float = 0.2  # PPO clip range: ratio in [1 - epsilon, 1 + epsilon_high]
-    epsilon_high: float = 0.2
-    loss_type: str = "grpo"
+    epsilon_high: Optional[float] = None  # default: epsilon; 0.28 for dapo (clip-higher); 4.0 for cispo
+    loss_type: str = "grpo"  # grpo, bnpo, dr_grpo, dapo or cispo (grpo_math.aggregate)
+    importance_sampling_level: str = "token"  # token, or sequence (GSPO)
+    scale_rewards: str = ""  # group, batch or none (default: group; none for dr_grpo)
+    mask_truncated_completions: bool = False  # completions cut off without EOS get no gradient
     loss_impl: str = "torch"  # "triton": fused kernels (triton_loss/), same numbers; torch where Triton can't run
-    correctness_weight: float = 1.0  # reward = correctness_weight * correct + format_weight * in_format
-    format_weight: float = 0.5
+    reward_funcs: str = "correctness,format"  # names in rewards.REWARD_FUNCS; reward = weighted sum
+    reward_weights: str = "1.0,0.5"
+    reward_file: str = ""  # a .py file whose @reward_function-decorated functions add rewards
     save_every: int = 100  # steps between checkpoints (and one at the end)
     zero_stage: int = 0  # DeepSpeed ZeRO stage (0-3)
     threads: int = 2  # CPU threads for torch
@@ -65,6 +80,28 @@ class Config:
     peer_timeout: float = 30.0  # seconds the ref server may not answer at all before the run stops
     resume: bool = False  # continue runs/RUN_NAME from its latest checkpoint
     local_rank: int = -1  # set by the deepspeed launcher
+
+
+def check_options(cfg):
+    """Fill in the defaults that depend on other options and reject bad values early, before
+    the slow start-up. Returns the reward weights {name: weight} (a reward file adds names)."""
+    if cfg.loss_type not in LOSS_TYPES:
+        raise SystemExit(f"unknown --loss_type {cfg.loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
+    if cfg.epsilon_high is None:
+        cfg.epsilon_high = {"dapo": 0.28, "cispo": 4.0}.get(cfg.loss_type, cfg.epsilon)
+    cfg.scale_rewards = cfg.scale_rewards or ("none" if cfg.loss_type == "dr_grpo" else "group")
+    for flag, allowed in (("scale_rewards", ("group", "batch", "none")), ("kl_estimator", ("k1", "k2", "k3")),
+                          ("importance_sampling_level", ("token", "sequence")), ("prompt_format", ("chat", "raw"))):
+        if getattr(cfg, flag) not in allowed:
+            raise SystemExit(f"unknown --{flag} {getattr(cfg, flag)!r}: use one of {', '.join(allowed)}")
+    if cfg.reward_file:
+        load_reward_file(cfg.reward_file)
+    return parse_reward_spec(cfg.reward_funcs, cfg.reward_weights)
+
+
+def load_data(cfg):
+    return load_problems(cfg.dataset, split=cfg.split, config=cfg.dataset_config or None,
+                         question_field=cfg.question_field, answer_field=cfg.answer_field)
 
 
 # ---------------------------------------------------------------------------- rollouts
@@ -87,19 +124,19 @@ def generate(model, tokenizer, prompts, cfg):
     return ids, mask, out[:, ids.size(1):]
 
 
-def score_groups(completions, problems, cfg):
+def score_groups(completions, problems, G, weights):
     """rewards (Q*G,) and the per-completion scores, for completions grouped by problem."""
-    weights = {"correctness": cfg.correctness_weight, "format": cfg.format_weight}
-    scores = [score(text, reference_answer(problems[i // cfg.num_generations]["answer"]), weights)
+    scores = [score(text, reference_answer(problems[i // G]["answer"]), weights)
               for i, text in enumerate(completions)]
     return torch.tensor([s["reward"] for s in scores]), scores
 
 
-def make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, old_logps=None, keep_equal=False):
+def make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, old_logps=None, keep_equal=False,
+                scale_rewards="group"):
     """One group (tensors, meta) per prompt whose rewards differ, ready to post, and has_signal (Q,).
     A group whose rewards are all equal teaches nothing (every advantage is 0): it is dropped,
     unless keep_equal (regroup_ver/ pools it with other answers to the same question)."""
-    advantages = group_advantages(rewards, G)
+    advantages = group_advantages(rewards, G, scale_rewards)
     has_signal = rewards.view(-1, G).std(1) > 0
     groups = []
     for q in torch.nonzero(has_signal | keep_equal).flatten().tolist():
@@ -115,7 +152,8 @@ def make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, old_logps=N
 
 def rollout_stats(rewards, scores, mask, has_signal, gen_s):
     """What one step's rollouts say, for the log: all groups, dropped ones included."""
-    return {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
+    each = {f"reward_{name}": sum(s[name] for s in scores) / len(scores) for name in scores[0] if name != "reward"}
+    return {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(), **each,
             "accuracy": sum(s["correctness"] for s in scores) / len(scores),
             "format_rate": sum(s["format"] for s in scores) / len(scores),
             "completion_len": mask.sum(1).mean().item(), "zero_var_frac": 1 - has_signal.float().mean().item(),
@@ -134,7 +172,7 @@ def collate(groups, pad_id):
     groups' completions right-padded, group after group (Q*G, C), with their per-token tensors."""
     P = max(g["prompt_ids"].numel() for g in groups)
     C = max(g["completion_ids"].size(1) for g in groups)
-    per_token = ["ref_logps"] + (["old_logps"] if all("old_logps" in g for g in groups) else [])
+    per_token = [k for k in ("ref_logps", "old_logps") if all(k in g for g in groups)]  # beta 0: no ref_logps
     rows = {k: [] for k in ("prompt_ids", "prompt_mask", "completion_ids", "advantages", *per_token)}
     for g in groups:
         p, c = g["prompt_ids"], g["completion_ids"]
@@ -148,28 +186,6 @@ def collate(groups, pad_id):
 
 
 # ---------------------------------------------------------------------------- logging
-def plot_curves(metrics_path, out_png):
-    """The run's curves, one panel per diagnostic, from metrics.jsonl."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    with open(metrics_path) as f:
-        rows = [json.loads(line) for line in f]
-    keys = ["reward_mean", "accuracy", "format_rate", "kl", "completion_len", "zero_var_frac"]
-    fig, axes = plt.subplots(2, 3, figsize=(12, 6))
-    steps, w = [r["step"] for r in rows], max(1, min(20, len(rows) // 10))
-    for ax, key in zip(axes.flat, keys):
-        values = [r[key] for r in rows]
-        windows = [values[max(0, i - w + 1):i + 1] for i in range(len(values))]
-        ax.plot(steps, values, alpha=0.3, color="tab:blue")  # one step is only 64 samples: noisy
-        ax.plot(steps, [sum(v) / len(v) for v in windows], color="tab:blue")
-        ax.set_title(f"{key} (line: mean of last {w} steps)" if key == keys[0] else key)
-        ax.set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=80)
-    plt.close(fig)
-
-
 def grad_norm(engine):
     """The gradients' 2-norm before clipping, where they sit whole on the parameters (ZeRO 0);
     None under ZeRO 1-3, which partition them and keep the norm in the engine after step()."""
@@ -189,13 +205,6 @@ def setup_distributed():
     # keep DeepSpeed's compiled ops between runs (the first build takes about a minute)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                                ".cache", "torch_extensions"))
-
-
-def log_step(metrics_path, record):
-    if record.get("skipped_updates"):
-        tqdm.write(f"warning: step {record['step']}: non-finite loss or gradient, update skipped")
-    with open(metrics_path, "a") as f:
-        f.write(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()}) + "\n")
 
 
 # ---------------------------------------------------------------------------- training
@@ -252,30 +261,47 @@ def grpo_update(engine, batch, cfg, eos_token_id):
     old_logps are the sampler's log-probs when it reported them (an asynchronous sampler
     runs an older policy), else the current policy's own: ratio 1 on the first iteration.
     num_iterations > 1 takes several steps on the same rollouts (PPO's epochs): from the
-    second on, the ratio moves off 1 and the clip bounds the update."""
+    second on, the ratio moves off 1 and the clip bounds the update. With micro_batch_groups,
+    forward and backward go a few groups at a time and the gradients add up to the whole
+    batch's (each part's loss weighted by its share), for one optimizer step."""
     batch = {k: v.to(engine.device) for k, v in batch.items()}
-    mask = completion_mask(batch["completion_ids"], eos_token_id)
+    mask = completion_mask(batch["completion_ids"], eos_token_id, cfg.mask_truncated_completions)
+    Q = batch["prompt_ids"].size(0)
+    G, per_part = batch["completion_ids"].size(0) // Q, cfg.micro_batch_groups or Q
+    parts = [(q, min(q + per_part, Q)) for q in range(0, Q, per_part)]
+    token_mean = cfg.loss_type in ("bnpo", "dapo", "cispo")  # the others average over sequences first
     old_logps, skipped, norm = batch.get("old_logps"), 0, None
     for _ in range(cfg.num_iterations):
-        logps = sequence_logps(engine, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
-                               cfg.temperature, impl=cfg.loss_impl)
-        old_logps = logps.detach() if old_logps is None else old_logps
-        loss, stats = grpo_loss(logps, old_logps, batch["ref_logps"], batch["advantages"], mask,
-                                beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-                                loss_type=cfg.loss_type, impl=cfg.loss_impl)
-        # one NaN or inf in an update would reach every weight through Adam's moments: skip it
-        if not torch.isfinite(loss):
-            skipped += 1
-            continue
-        engine.backward(loss)
+        loss, stats, new_logps = 0.0, {}, []
+        for i, (q0, q1) in enumerate(parts):
+            rows = slice(q0 * G, q1 * G)
+            logps = sequence_logps(engine, batch["prompt_ids"][q0:q1], batch["prompt_mask"][q0:q1],
+                                   batch["completion_ids"][rows], cfg.temperature, impl=cfg.loss_impl)
+            new_logps.append(logps.detach())
+            ref = batch["ref_logps"][rows] if "ref_logps" in batch else None
+            part_loss, part_stats = grpo_loss(
+                logps, logps.detach() if old_logps is None else old_logps[rows], ref, batch["advantages"][rows],
+                mask[rows], beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+                loss_type=cfg.loss_type, importance_sampling_level=cfg.importance_sampling_level,
+                kl_estimator=cfg.kl_estimator, max_completion_length=cfg.max_new_tokens, impl=cfg.loss_impl)
+            share = (mask[rows].sum() / mask.sum().clamp(min=1)).item() if token_mean else (q1 - q0) / Q
+            engine.set_gradient_accumulation_boundary(i == len(parts) - 1)  # one optimizer step after the last
+            engine.backward(part_loss * share)
+            loss += part_loss.item() * share
+            tokens = (mask[rows].sum() / mask.sum().clamp(min=1)).item()  # the diagnostics are token means
+            stats = {k: stats.get(k, 0.0) + v * tokens for k, v in part_stats.items()}
+        old_logps = torch.cat(new_logps) if old_logps is None else old_logps
+        # one NaN or inf in an update would reach every weight through Adam's moments: skip it.
+        # ZeRO 0 leaves the gradients whole on the parameters, where we check them; ZeRO 1-3
+        # check them in step() themselves.
         norm = grad_norm(engine)
-        if norm is not None and not math.isfinite(norm):  # ZeRO 0: drop the gradients, take no step
+        if norm is not None and not (math.isfinite(norm) and math.isfinite(loss)):
             engine.optimizer.zero_grad(set_to_none=True)
             skipped += 1
             continue
         engine.step()
-        skipped += not engine.was_step_applied()  # ZeRO 1-3 check the gradients themselves and skip the step
-    stats["loss"] = loss.item()
+        skipped += not engine.was_step_applied()
+    stats["loss"] = loss
     stats["grad_norm"] = norm if norm is not None else float(engine.get_global_grad_norm() or 0.0)
     if skipped == cfg.num_iterations:
         stats["grad_norm"] = None  # no update was taken
@@ -284,10 +310,11 @@ def grpo_update(engine, batch, cfg, eos_token_id):
 
 
 def main(cfg: Config):
-    ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent
+    weights, problems = check_options(cfg), load_data(cfg)
+    if cfg.beta != 0:
+        ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent
     engine, tokenizer = make_engine(cfg)
     rng = random.Random(cfg.seed)  # draws the problems: its state is the data position
-    problems = load_jsonl(cfg.data)
     run_dir, metrics_path, first_step, state = open_run(cfg, engine)
     if state is not None:
         rng.setstate(state["data_rng"])
@@ -298,7 +325,7 @@ def main(cfg: Config):
         t0 = time.time()
         # 1. rollouts from the current policy
         batch_problems = rng.sample(problems, cfg.batch_prompts)
-        prompts = [chat_prompt(tokenizer, p["question"]) for p in batch_problems]
+        prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format) for p in batch_problems]
         prompt_ids, prompt_mask, completion_ids = generate(engine.module, tokenizer, prompts, cfg)
         mask = completion_mask(completion_ids, tokenizer.eos_token_id)
         texts = tokenizer.batch_decode(completion_ids * mask.long() + tokenizer.pad_token_id * (1 - mask.long()),
@@ -306,17 +333,18 @@ def main(cfg: Config):
         gen_s = time.time() - t0
 
         # 2. rewards and group-relative advantages; groups with no reward variance are dropped
-        rewards, scores = score_groups(texts, batch_problems, cfg)
+        rewards, scores = score_groups(texts, batch_problems, G, weights)
         prompt_rows = [ids[m.bool()] for ids, m in zip(prompt_ids, prompt_mask)]
         groups, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G,
                                          {"run_id": run_id, "policy_version": step,
-                                          "temperature": cfg.temperature})
+                                          "temperature": cfg.temperature}, scale_rewards=cfg.scale_rewards)
 
-        # 3.-4. reference log-probs from the server, then the GRPO update
+        # 3.-4. reference log-probs from the server (none needed when beta is 0), then the GRPO update
         stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 1.0, "grad_norm": 0.0}
         t1 = time.time()
         if groups:
-            batch = collate(get_ref_logps(cfg, groups, run_id), tokenizer.pad_token_id)
+            finished = get_ref_logps(cfg, groups, run_id) if cfg.beta != 0 else [t for t, _ in groups]
+            batch = collate(finished, tokenizer.pad_token_id)
             t2 = time.time()
             stats = grpo_update(engine, batch, cfg, tokenizer.eos_token_id)
         ref_s, compute_s = (t2 - t1, time.time() - t2) if groups else (0.0, 0.0)

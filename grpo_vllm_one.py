@@ -37,12 +37,13 @@ import torch
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
-from data import chat_prompt, load_jsonl
+from data import make_prompt
 from grpo_math import completion_mask
 from rewards import extract_answer
 from checkpoint import save_checkpoint
-from grpo_train import (Config as TrainConfig, collate, grpo_update, log_step, make_engine, make_groups, open_run,
-                        plot_curves, rollout_stats, score_groups)
+from grpo_train import (Config as TrainConfig, check_options, collate, grpo_update, load_data, make_engine, make_groups,
+                        open_run, rollout_stats, score_groups)
+from metrics import log_step, plot_curves
 from protocol import post_groups, ref_request, take_group
 
 
@@ -168,8 +169,9 @@ def receive_weights(llm, message, shared, loaded):
 
 
 # ---------------------------------------------------------------------------- generation worker
-def gen_worker(cfg, run_id, weights_queue, loaded, stop, parent_pid):
-    """The worker process: sample, score, post groups to the ref server; take new weights."""
+def gen_worker(cfg, run_id, weights_queue, groups_queue, loaded, stop, parent_pid):
+    """The worker process: sample, score, post groups to the ref server (or, with beta 0, hand
+    them to the trainer through groups_queue); take new weights."""
     def watch_parent():  # a trainer killed without clean-up must not leave this process behind
         while os.getppid() == parent_pid:
             time.sleep(1)
@@ -181,7 +183,8 @@ def gen_worker(cfg, run_id, weights_queue, loaded, stop, parent_pid):
     llm = start_vllm(cfg)
     logging.getLogger("vllm").setLevel(logging.ERROR)  # started: its per-reload notes would flood the log
     tokenizer = llm.get_tokenizer()
-    problems, rng, G = load_jsonl(cfg.data), random.Random(cfg.seed), cfg.num_generations
+    weights, problems = check_options(cfg), load_data(cfg)  # this process loads the reward file too
+    rng, G = random.Random(cfg.seed), cfg.num_generations
     # version: trainer steps in the loaded weights (None: resuming, the checkpoint's are on their way);
     # draws: batches of problems taken from rng so far, the data position a checkpoint records
     version, batch, draws, shared, load_s = (None if cfg.resume else 0), 0, 0, {}, 0.0
@@ -207,16 +210,16 @@ def gen_worker(cfg, run_id, weights_queue, loaded, stop, parent_pid):
 
         t0 = time.time()
         batch_problems, draws = rng.sample(problems, cfg.batch_prompts) + ask_again, draws + 1
-        prompts = [chat_prompt(tokenizer, p["question"]) for p in batch_problems]
+        prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format) for p in batch_problems]
         prompt_rows, completion_ids, old_logps = sample(llm, prompts, cfg)
         mask = completion_mask(completion_ids, tokenizer.eos_token_id)
         texts = tokenizer.batch_decode(completion_ids * mask.long() + tokenizer.pad_token_id * (1 - mask.long()),
                                        skip_special_tokens=True)
         gen_s = time.time() - t0
-        rewards, scores = score_groups(texts, batch_problems, cfg)
+        rewards, scores = score_groups(texts, batch_problems, G, weights)
         meta = {"run_id": run_id, "policy_version": version, "temperature": cfg.temperature}
         groups, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, old_logps,
-                                         keep_equal=cfg.regroup)
+                                         keep_equal=cfg.regroup, scale_rewards=cfg.scale_rewards)
         generated += completion_ids.size(0)
         stats = {**rollout_stats(rewards, scores, mask, has_signal, gen_s), "weights_load_s": load_s,
                  "generated": generated}
@@ -227,15 +230,34 @@ def gen_worker(cfg, run_id, weights_queue, loaded, stop, parent_pid):
                          if not has_signal[q] and len(set(answers[q * G:(q + 1) * G])) > 1]
         for _, m in groups:  # the trainer takes groups_in_batch groups as one batch
             m.update(batch=batch, draws=draws, groups_in_batch=len(groups), stats=stats)
-        if groups:
+        if groups and uses_ref_server(cfg):
             post_groups(cfg, groups)
-            batch += 1
+        for group in groups if not uses_ref_server(cfg) else []:
+            groups_queue.put(group)  # local: tensors travel in shared memory, nothing is pickled over a network
+        batch += bool(groups)
+
+
+def uses_ref_server(cfg):
+    """The KL term needs the reference server's log-probs; regrouping needs its pools."""
+    return cfg.beta != 0 or cfg.regroup
+
+
+def take_local_group(groups_queue, check_alive, timeout):
+    """take_group's local twin (beta 0): the worker's next group, waiting for it."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        check_alive()
+        try:
+            return groups_queue.get(timeout=1.0)
+        except queue.Empty:
+            pass
+    raise SystemExit(f"no group from the generation worker in {timeout:.0f} s")
 
 
 def start_worker(cfg, run_id):
     """Spawn the generation worker on its own device (CUDA) or its own cores (CPU)."""
     ctx = mp.get_context("spawn")
-    weights_queue, loaded, stop = ctx.Queue(), ctx.Value("i", 0), ctx.Event()
+    weights_queue, groups_queue, loaded, stop = ctx.Queue(), ctx.Queue(), ctx.Value("i", 0), ctx.Event()
     env = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
     if torch.cuda.is_available():
         # the trainer ranks use devices 0..world_size-1; vLLM takes the next one, or shares
@@ -249,12 +271,12 @@ def start_worker(cfg, run_id):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # a spawned child takes the parent's environment at start
     try:
-        worker = ctx.Process(target=gen_worker, args=(cfg, run_id, weights_queue, loaded, stop, os.getpid()), name="gen_worker")
+        worker = ctx.Process(target=gen_worker, args=(cfg, run_id, weights_queue, groups_queue, loaded, stop, os.getpid()), name="gen_worker")
         worker.start()
     finally:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    return worker, WeightSender(weights_queue, loaded), stop
+    return worker, WeightSender(weights_queue, loaded), groups_queue, stop
 
 
 def stop_worker(worker, stop):
@@ -272,15 +294,23 @@ def main(cfg: Config):
                          f"wait for weights the trainer cannot make without its batches")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise SystemExit("grpo_vllm_one.py trains on one rank for now; use grpo_train.py for several ranks")
-    ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent
+    check_options(cfg)  # bad options and data fail here, before any process starts
+    load_data(cfg)
+    if uses_ref_server(cfg):
+        ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent
     run_id = uuid.uuid4().hex  # tells this run's groups from any another run left in the server
-    worker, sender, stop = start_worker(cfg, run_id)
+    worker, sender, groups_queue, stop = start_worker(cfg, run_id)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on `kill` too
 
     def check_worker():
         if not worker.is_alive():
             raise SystemExit(f"generation worker (pid {worker.pid}) died with exit code {worker.exitcode}: "
                              f"see its log above")
+
+    def take(step):
+        if uses_ref_server(cfg):
+            return take_group(cfg, run_id, check_worker, step - 1)
+        return take_local_group(groups_queue, check_worker, cfg.ref_timeout)
 
     try:
         engine, tokenizer = make_engine(cfg)
@@ -293,9 +323,9 @@ def main(cfg: Config):
         for step in bar:
             # 1. the next batch of groups the worker made, with ref_logps from the server
             t0 = time.time()
-            taken = [take_group(cfg, run_id, check_worker, step - 1)]
+            taken = [take(step)]
             n_groups = cfg.batch_prompts if cfg.regroup else taken[0][1]["groups_in_batch"]
-            taken += [take_group(cfg, run_id, check_worker, step - 1) for _ in range(n_groups - 1)]
+            taken += [take(step) for _ in range(n_groups - 1)]
             groups, metas = [g for g, _ in taken], [m for _, m in taken]
             wait_s = time.time() - t0
             meta, oldest = metas[-1], min(m["policy_version"] for m in metas)

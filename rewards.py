@@ -1,4 +1,4 @@
-"""Rewards for "think, then answer" completions: correctness and format.
+"""Rewards for "think, then answer" completions: correctness, format, and your own.
 
 Both trainers and evaluate.py score with these functions, so a reward means the same
 thing everywhere. A completion is the model's decoded text after the prompt:
@@ -10,7 +10,23 @@ thing everywhere. A completion is the model's decoded text after the prompt:
   "3.50" = 3.5 and "7/2" = 3.5. No answer tags, no credit.
 - format: <think>...</think> then <answer>...</answer>, each tag exactly once, nothing
   but whitespace around them.
+
+Every reward function is `fn(completion: str, answer: str) -> float`, `answer` being the
+reference answer ("1000" for "... #### 1,000"). Add one in a file of your own:
+
+    from rewards import reward_function
+
+    @reward_function("length_penalty")
+    def length_penalty(completion, answer):
+        return -len(completion) / 1000
+
+load it with load_reward_file(path), and pick rewards and weights with
+`--reward_funcs correctness,format,length_penalty --reward_weights 1.0,0.5,0.1`.
 """
+import importlib.util
+import math
+import numbers
+import os
 import re
 import threading
 
@@ -19,6 +35,19 @@ from math_verify import parse, verify
 FORMAT_RE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+REWARD_FUNCS = {}  # name -> fn(completion, answer) -> float
+DEFAULT_WEIGHTS = {"correctness": 1.0, "format": 0.5}
+
+
+def reward_function(name):
+    """Register a reward in REWARD_FUNCS: `@reward_function("name")`, or bare `@reward_function`
+    to use the function's own name. A later registration of a name replaces the earlier one."""
+    def register(fn, name):
+        REWARD_FUNCS[name] = fn
+        return fn
+    if callable(name):
+        return register(name, name.__name__)
+    return lambda fn: register(fn, name)
 
 
 def reference_answer(gsm8k_answer: str) -> str:
@@ -39,6 +68,7 @@ def _timeout():
     return 5 if threading.current_thread() is threading.main_thread() else None
 
 
+@reward_function("correctness")
 def correctness_reward(completion: str, answer: str) -> float:
     """1.0 when the tagged answer equals `answer` (a plain number or expression), else 0.0."""
     predicted = extract_answer(completion)
@@ -49,17 +79,80 @@ def correctness_reward(completion: str, answer: str) -> float:
     return float(bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=_timeout()))
 
 
-def format_reward(completion: str) -> float:
+@reward_function("format")
+def format_reward(completion: str, answer: str = None) -> float:
     """1.0 for `<think>...</think><answer>...</answer>` with each tag exactly once."""
     once = all(completion.count(tag) == 1 for tag in TAGS)
     return float(once and FORMAT_RE.match(completion) is not None)
 
 
-def score(completion: str, answer: str, weights=None) -> dict:
-    """Every reward of one completion, plus `reward`: their weighted sum.
+def load_reward_file(path) -> list:
+    """Run a Python file whose @reward_function decorators add rewards; returns their names."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"reward file {path} not found")
+    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+    if spec is None:
+        raise ValueError(f"reward file {path} is not a Python (.py) file")
+    before = dict(REWARD_FUNCS)
+    try:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    except Exception as e:
+        raise ImportError(f"reward file {path} failed to load: {type(e).__name__}: {e}") from e
+    added = [name for name, fn in REWARD_FUNCS.items() if before.get(name) is not fn]
+    if not added:
+        raise ValueError(f"reward file {path} registers no reward functions: decorate them with "
+                         "@reward_function (from rewards import reward_function)")
+    return added
 
-    `weights` maps reward names to weights (default: correctness 1.0, format 0.5)."""
-    weights = weights or {"correctness": 1.0, "format": 0.5}
-    out = {"correctness": correctness_reward(completion, answer), "format": format_reward(completion)}
+
+def _known(names):
+    unknown = [name for name in names if name not in REWARD_FUNCS]
+    if unknown:
+        raise ValueError(f"unknown reward function(s) {unknown}; known: {sorted(REWARD_FUNCS)} "
+                         "(a reward file adds more)")
+
+
+def parse_reward_spec(names: str, weights: str = "") -> dict:
+    """'correctness,format', '1.0,0.5' -> {"correctness": 1.0, "format": 0.5}; no weights: 1.0 each."""
+    names = [n.strip() for n in names.split(",") if n.strip()]
+    if not names:
+        raise ValueError("no reward functions named: give e.g. --reward_funcs correctness,format")
+    if len(set(names)) != len(names):
+        raise ValueError(f"a reward function is named twice in {names}")
+    _known(names)
+    if not weights.strip():
+        return {name: 1.0 for name in names}
+    parts = [w.strip() for w in weights.split(",")]
+    if len(parts) != len(names):
+        raise ValueError(f"{len(names)} reward functions {names} but {len(parts)} weights {parts}: "
+                         "give one weight per function, in the same order")
+    try:
+        values = [float(w) for w in parts]
+    except ValueError:
+        raise ValueError(f"reward weights must be numbers, got {weights!r}") from None
+    if not all(map(math.isfinite, values)):
+        raise ValueError(f"reward weights must be finite numbers, got {weights!r}")
+    return dict(zip(names, values))
+
+
+def _reward(name, completion, answer):
+    """One reward's value; a reward that raises or returns no number is named in the error."""
+    fn = REWARD_FUNCS[name]
+    try:
+        value = fn(completion, answer)
+    except Exception as e:
+        raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
+    if not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise TypeError(f"reward function {name!r} returned {value!r}; it must return a finite number")
+    return float(value)
+
+
+def score(completion: str, answer: str, weights=None) -> dict:
+    """Every reward named in `weights` (name -> weight, default DEFAULT_WEIGHTS) plus correctness
+    and format, which the trainers log as accuracy and format rate; `reward`: the weighted sum."""
+    weights = weights or DEFAULT_WEIGHTS
+    _known(weights)
+    names = dict.fromkeys(["correctness", "format", *weights])  # in order, once each
+    out = {name: _reward(name, completion, answer) for name in names}
     out["reward"] = sum(w * out[name] for name, w in weights.items())
     return out

@@ -9,7 +9,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_evaluate(*args):
     cmd = [sys.executable, "evaluate.py", "--model", "models/tiny-math",
-           "--data", "data/toy_math/test.jsonl", "--json", *args]
+           "--dataset", "data/toy_math/test.jsonl", "--json", *args]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "accuracy" in out.stdout and "format_rate" in out.stdout  # the table

@@ -18,7 +18,7 @@ from grpo_vllm_one import Config, WeightSender, load_weights, receive_weights, s
 from tests.test_ref_server import server  # noqa: F401 - the live server fixture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CFG = Config(model=os.path.join(ROOT, "models", "tiny-math"), data=os.path.join(ROOT, "data", "toy_math", "train.jsonl"),
+CFG = Config(model=os.path.join(ROOT, "models", "tiny-math"), dataset=os.path.join(ROOT, "data", "toy_math", "train.jsonl"),
              batch_prompts=4, num_generations=4, max_new_tokens=40)
 
 
@@ -33,7 +33,7 @@ def policy():
 
 
 def prompts(llm, n=4):
-    return [chat_prompt(llm.get_tokenizer(), p["question"]) for p in load_jsonl(CFG.data)[:n]]
+    return [chat_prompt(llm.get_tokenizer(), p["question"]) for p in load_jsonl(CFG.dataset)[:n]]
 
 
 def trainer_logps(model, prompt_rows, completion_ids, pad_id):

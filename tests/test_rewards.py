@@ -76,3 +76,105 @@ def test_rewards_work_off_the_main_thread():
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(1) as pool:
         assert pool.submit(correctness_reward, GOOD, "14").result() == 1.0
+
+
+# ---------------------------------------------------------------- named rewards, reward files
+from rewards import REWARD_FUNCS, load_reward_file, parse_reward_spec, reward_function  # noqa: E402
+
+
+@pytest.fixture
+def registry():
+    """REWARD_FUNCS as it was before the test: tests that register rewards leave no trace."""
+    saved = dict(REWARD_FUNCS)
+    yield REWARD_FUNCS
+    REWARD_FUNCS.clear()
+    REWARD_FUNCS.update(saved)
+
+
+def test_correctness_and_format_are_built_in():
+    assert REWARD_FUNCS["correctness"] is correctness_reward and REWARD_FUNCS["format"] is format_reward
+
+
+def test_the_decorator_registers_by_given_or_own_name(registry):
+    @reward_function("shout")
+    def loud(completion, answer):
+        return float(completion.isupper())
+
+    @reward_function
+    def brevity(completion, answer):
+        return -len(completion) / 100
+
+    assert registry["shout"] is loud and registry["brevity"] is brevity
+    assert loud("HI", "1") == 1.0  # the decorator returns the function itself
+    assert score("HI", "1", {"shout": 2.0, "brevity": 1.0})["reward"] == pytest.approx(2.0 - 0.02)
+
+
+def test_parse_reward_spec_pairs_names_with_weights():
+    assert parse_reward_spec("correctness,format", "1.0,0.5") == {"correctness": 1.0, "format": 0.5}
+    assert parse_reward_spec(" correctness , format ", " 2, -1e-1 ") == {"correctness": 2.0, "format": -0.1}
+    assert parse_reward_spec("format", "") == {"format": 1.0}
+
+
+@pytest.mark.parametrize("names, weights, message", [
+    ("correctness,lenght", "1,1", r"unknown reward function\(s\) \['lenght'\]; known: \['correctness', 'format'"),
+    ("correctness,format", "1.0", r"2 reward functions .* but 1 weights"),
+    ("correctness", "1,2", r"1 reward functions .* but 2 weights"),
+    ("correctness,format", "1,half", "reward weights must be numbers, got '1,half'"),
+    ("correctness", "nan", "finite"),
+    ("", "", "no reward functions named"),
+    ("format,format", "1,1", "named twice"),
+])
+def test_parse_reward_spec_errors_say_what_is_wrong(names, weights, message):
+    with pytest.raises(ValueError, match=message):
+        parse_reward_spec(names, weights)
+
+
+def test_a_reward_file_adds_rewards_that_score_weights(registry, tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text("from rewards import reward_function\n\n"
+                    "@reward_function('length_penalty')\n"
+                    "def length_penalty(completion, answer):\n"
+                    "    return -len(completion) / 1000\n")
+    assert load_reward_file(str(path)) == ["length_penalty"]
+    weights = parse_reward_spec("correctness,format,length_penalty", "1.0,0.5,10")
+    out = score(GOOD, "14", weights)
+    assert out["length_penalty"] == -len(GOOD) / 1000
+    assert out["reward"] == pytest.approx(1.0 + 0.5 - 10 * len(GOOD) / 1000)
+
+
+def test_score_always_reports_correctness_and_format(registry):
+    registry["one"] = lambda completion, answer: 1.0
+    assert score(GOOD, "15", {"one": 3.0}) == {"correctness": 0.0, "format": 1.0, "one": 1.0, "reward": 3.0}
+
+
+@pytest.mark.parametrize("source, error, message", [
+    ("def f(:\n", ImportError, r"broken\.py failed to load: SyntaxError"),
+    ("raise RuntimeError('no GPU')\n", ImportError, r"broken\.py failed to load: RuntimeError: no GPU"),
+    ("def helper(completion, answer):\n    return 1.0\n", ValueError, r"broken\.py registers no reward functions"),
+])
+def test_a_broken_reward_file_is_an_error_naming_it(registry, tmp_path, source, error, message):
+    path = tmp_path / "broken.py"
+    path.write_text(source)
+    with pytest.raises(error, match=message):
+        load_reward_file(str(path))
+
+
+def test_a_missing_reward_file_is_an_error_naming_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="reward file .*nope.py not found"):
+        load_reward_file(str(tmp_path / "nope.py"))
+
+
+@pytest.mark.parametrize("fn, error, message", [
+    (lambda completion, answer: 1 / 0, RuntimeError, "reward function 'bad' raised ZeroDivisionError"),
+    (lambda completion, answer: "1.0", TypeError, r"reward function 'bad' returned '1.0'; it must return a finite number"),
+    (lambda completion, answer: float("nan"), TypeError, "reward function 'bad' returned nan"),
+])
+def test_a_reward_that_raises_or_returns_no_number_is_named(registry, fn, error, message):
+    registry["bad"] = fn
+    with pytest.raises(error, match=message):
+        score(GOOD, "14", {"bad": 1.0})
+
+
+def test_score_rejects_an_unknown_reward_name():
+    with pytest.raises(ValueError, match=r"unknown reward function\(s\) \['nope'\]"):
+        score(GOOD, "14", {"nope": 1.0})

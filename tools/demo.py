@@ -50,7 +50,7 @@ def start_ref_server(port, env, *args, token="", script="ref_server.py"):
 
 def evaluate(model_dir, env, data=TEST):
     """Greedy evaluation by evaluate.py in a subprocess: prints its table, returns its figures."""
-    out = subprocess.run([sys.executable, "evaluate.py", "--model", model_dir, "--data", data, "--json"],
+    out = subprocess.run([sys.executable, "evaluate.py", "--model", model_dir, "--dataset", data, "--json"],
                          cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, check=True)
     table, last = out.stdout.rstrip().rsplit("\n", 1)
     print(table, flush=True)

@@ -1,0 +1,143 @@
+"""Every loss option of grpo_math against a hand computation on one small batch.
+
+Two sequences of three tokens; the second has two real tokens (its third is masked). The hand
+versions below are plain Python on floats, written from the formulas in the papers."""
+import math
+
+import pytest
+import torch
+
+from grpo_math import completion_mask, group_advantages, grpo_loss, kl_estimate
+
+LOGPS = [[-1.0, -2.0, -0.5], [-0.3, -1.2, -9.0]]
+OLD = [[-1.1, -1.5, -0.5], [-0.3, -1.0, -9.0]]
+REF = [[-1.0, -2.5, -0.4], [-0.5, -1.2, -9.0]]
+ADV = [1.0, -2.0]
+MASK = [[1, 1, 1], [1, 1, 0]]
+TOKENS = [(i, t) for i in range(2) for t in range(3) if MASK[i][t]]  # the 5 real tokens
+
+
+def tensors():
+    logps = torch.tensor(LOGPS, requires_grad=True)
+    return logps, torch.tensor(OLD), torch.tensor(REF), torch.tensor(ADV), torch.tensor(MASK, dtype=torch.float)
+
+
+def hand_kl(lp, ref, estimator):
+    d = ref - lp
+    return {"k1": -d, "k2": d * d / 2, "k3": math.exp(d) - d - 1}[estimator]
+
+
+def hand_clipped(ratio, a, eps_low, eps_high):
+    return -min(ratio * a, min(max(ratio, 1 - eps_low), 1 + eps_high) * a)
+
+
+def hand_token_losses(eps_low=0.2, eps_high=0.2, beta=0.0, estimator="k3"):
+    """{(i, t): loss} for the clipped surrogate with a per-token ratio."""
+    return {(i, t): hand_clipped(math.exp(LOGPS[i][t] - OLD[i][t]), ADV[i], eps_low, eps_high)
+            + beta * hand_kl(LOGPS[i][t], REF[i][t], estimator) for i, t in TOKENS}
+
+
+def per_sequence_mean(losses):
+    return sum(sum(v for (i, _), v in losses.items() if i == s) / sum(MASK[s]) for s in range(2)) / 2
+
+
+@pytest.mark.parametrize("beta, estimator", [(0.0, "k3"), (0.1, "k1"), (0.1, "k2"), (0.1, "k3")])
+def test_grpo_is_the_mean_over_sequences_of_each_sequences_token_mean(beta, estimator):
+    logps, old, ref, adv, mask = tensors()
+    loss, stats = grpo_loss(logps, old, ref, adv, mask, beta=beta, epsilon=0.2, kl_estimator=estimator)
+    assert loss.item() == pytest.approx(per_sequence_mean(hand_token_losses(beta=beta, estimator=estimator)), abs=1e-6)
+    kl = sum(hand_kl(LOGPS[i][t], REF[i][t], estimator) for i, t in TOKENS) / 5
+    assert stats["kl"] == pytest.approx(kl if beta else 0.0, abs=1e-6)
+
+
+def test_bnpo_is_the_mean_over_all_tokens():
+    logps, old, ref, adv, mask = tensors()
+    loss, _ = grpo_loss(logps, old, ref, adv, mask, beta=0.1, loss_type="bnpo")
+    assert loss.item() == pytest.approx(sum(hand_token_losses(beta=0.1).values()) / 5, abs=1e-6)
+
+
+def test_dr_grpo_divides_the_token_sum_by_batch_size_times_max_completion_length():
+    logps, old, ref, adv, mask = tensors()
+    loss, _ = grpo_loss(logps, old, ref, adv, mask, beta=0.1, loss_type="dr_grpo", max_completion_length=8)
+    assert loss.item() == pytest.approx(sum(hand_token_losses(beta=0.1).values()) / (2 * 8), abs=1e-6)
+    with pytest.raises(ValueError, match="max_completion_length"):
+        grpo_loss(logps, old, ref, adv, mask, loss_type="dr_grpo")
+
+
+def test_dapo_is_the_token_mean_with_a_higher_upper_clip():
+    """Token (1, 1) has ratio e^-0.2 = 0.82 and A < 0: clipped at 1 - 0.1 = 0.9 for the low side;
+    token (0, 0) has ratio e^0.1 = 1.105 and A > 0: clipped at 1.05 with epsilon_high 0.05, not at 1.28."""
+    logps, old, ref, adv, mask = tensors()
+    for eps_high in (0.05, 0.28):
+        loss, _ = grpo_loss(logps, old, ref, adv, mask, beta=0.0, epsilon=0.1, epsilon_high=eps_high, loss_type="dapo")
+        want = sum(hand_token_losses(eps_low=0.1, eps_high=eps_high).values()) / 5
+        assert loss.item() == pytest.approx(want, abs=1e-6)
+    assert hand_token_losses(eps_low=0.1, eps_high=0.05)[0, 0] != hand_token_losses(eps_low=0.1, eps_high=0.28)[0, 0]
+
+
+def test_cispo_weights_logp_by_the_capped_detached_ratio():
+    """loss = -sum sg(min(r, 1 + eps_high)) * A * logp / tokens; its gradient is -min(r, 1 + eps_high) * A / tokens."""
+    logps, old, ref, adv, mask = tensors()
+    loss, stats = grpo_loss(logps, old, ref, adv, mask, beta=0.0, epsilon_high=0.05, loss_type="cispo")
+    weight = {(i, t): min(math.exp(LOGPS[i][t] - OLD[i][t]), 1.05) for i, t in TOKENS}
+    assert loss.item() == pytest.approx(sum(-weight[k] * ADV[k[0]] * LOGPS[k[0]][k[1]] for k in TOKENS) / 5, abs=1e-6)
+    grad, = torch.autograd.grad(loss, logps)
+    for i in range(2):
+        for t in range(3):
+            want = -weight[i, t] * ADV[i] / 5 if MASK[i][t] else 0.0
+            assert grad[i, t].item() == pytest.approx(want, abs=1e-6)
+    assert stats["clip_fraction"] == pytest.approx(1 / 5)  # only token (0, 0), ratio 1.105 > 1.05, is capped
+
+
+def test_sequence_level_importance_ratio_is_gspo():
+    """ratio_i = exp(mean over the sequence's real tokens of (logp - old)), shared by its tokens;
+    with the ratios inside the clip range, d loss / d logp_it = -(1/2) * A_i * ratio_i / n_i."""
+    logps, old, ref, adv, mask = tensors()
+    loss, stats = grpo_loss(logps, old, ref, adv, mask, beta=0.0, epsilon=0.2, importance_sampling_level="sequence")
+    n = [3, 2]
+    ratio = [math.exp(sum(LOGPS[i][t] - OLD[i][t] for t in range(n[i])) / n[i]) for i in range(2)]
+    assert ratio == pytest.approx([math.exp(-0.4 / 3), math.exp(-0.1)])
+    assert loss.item() == pytest.approx(sum(hand_clipped(ratio[i], ADV[i], 0.2, 0.2) for i in range(2)) / 2, abs=1e-6)
+    grad, = torch.autograd.grad(loss, logps)
+    for i, t in TOKENS:
+        assert grad[i, t].item() == pytest.approx(-0.5 * ADV[i] * ratio[i] / n[i], abs=1e-6)
+    assert grad[1, 2].item() == 0.0
+    assert stats["ratio_mean"] == pytest.approx((3 * ratio[0] + 2 * ratio[1]) / 5, abs=1e-6)
+
+
+def test_kl_estimators():
+    lp, ref = torch.tensor([-1.0, -0.2]), torch.tensor([-1.5, -0.2])
+    assert kl_estimate(lp, ref, "k1").tolist() == pytest.approx([0.5, 0.0])
+    assert kl_estimate(lp, ref, "k2").tolist() == pytest.approx([0.125, 0.0])
+    assert kl_estimate(lp, ref, "k3").tolist() == pytest.approx([math.exp(-0.5) + 0.5 - 1, 0.0])
+    with pytest.raises(ValueError, match="kl_estimator"):
+        kl_estimate(lp, ref, "k4")
+
+
+def test_scale_rewards_group_batch_and_none():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0])  # two groups of 4
+    centred = [0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75]
+    group_std = [math.sqrt(1 / 3), math.sqrt(0.75 / 3)]  # unbiased: sum of squares / (4 - 1)
+    mean = 5 / 8
+    batch_std = math.sqrt(sum((r - mean) ** 2 for r in rewards.tolist()) / 7)
+    got = {s: group_advantages(rewards, 4, s).tolist() for s in ("group", "batch", "none")}
+    assert got["group"] == pytest.approx([c / (group_std[k // 4] + 1e-4) for k, c in enumerate(centred)], abs=1e-6)
+    assert got["batch"] == pytest.approx([c / (batch_std + 1e-4) for c in centred], abs=1e-6)
+    assert got["none"] == pytest.approx(centred, abs=1e-6)
+    with pytest.raises(ValueError, match="scale_rewards"):
+        group_advantages(rewards, 4, "sequence")
+
+
+def test_mask_truncated_completions_drops_a_completion_cut_off_without_eos():
+    eos = 2
+    ids = torch.tensor([[5, 2, 2], [5, 6, 7]])  # the second never ended
+    assert completion_mask(ids, eos).tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert completion_mask(ids, eos, mask_truncated=True).tolist() == [[1, 1, 0], [0, 0, 0]]
+
+
+def test_unknown_options_name_the_option():
+    logps, old, ref, adv, mask = tensors()
+    for kwargs, name in (({"loss_type": "ppo"}, "loss_type"), ({"importance_sampling_level": "word"},
+                                                                  "importance_sampling_level")):
+        with pytest.raises(ValueError, match=name):
+            grpo_loss(logps, old, ref, adv, mask, **kwargs)

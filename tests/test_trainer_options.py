@@ -1,0 +1,196 @@
+"""The trainers' research options end to end with real DeepSpeed and the tiny model: data files of
+each kind, a user's reward file, beta 0 without a reference server, num_iterations, the GSM8K recipe."""
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import rewards
+from data import chat_prompt, load_jsonl
+from grpo_math import completion_mask, sequence_logps
+from grpo_train import Config, check_options, grpo_update, main, make_engine
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "models", "tiny-math")
+PROBLEMS = load_jsonl(os.path.join(ROOT, "data", "toy_math", "train.jsonl"))[:40]
+REWARD_FILE = '''
+from rewards import reward_function
+
+@reward_function("brevity")
+def brevity(completion, answer):
+    return 1.0 if len(completion) < 200 else 0.0
+'''
+
+
+def write_data(tmp_path, kind):
+    """The same 40 problems as JSONL (GSM8K's field names), Parquet or CSV (other field names)."""
+    path = tmp_path / f"problems.{kind}"
+    if kind == "jsonl":
+        path.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
+        return path, {}
+    rows = [{"problem": p["question"], "solution": p["answer"], "id": i} for i, p in enumerate(PROBLEMS)]
+    if kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["problem", "solution", "id"])
+            writer.writeheader()
+            writer.writerows(rows)
+    return path, {"question_field": "problem", "answer_field": "solution"}
+
+
+@pytest.fixture
+def restore_rewards():
+    saved = dict(rewards.REWARD_FUNCS)
+    yield
+    rewards.REWARD_FUNCS.clear()
+    rewards.REWARD_FUNCS.update(saved)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "csv"])
+def test_two_steps_from_each_kind_of_data_file(kind, tmp_path, monkeypatch, restore_rewards):
+    """beta 0: no reference server anywhere (the URL points at a closed port). The Parquet run
+    also adds a reward from a file, which then shows in the metrics, weighted into the reward."""
+    path, fields = write_data(tmp_path, kind)
+    extra = {}
+    if kind == "parquet":
+        (tmp_path / "my_rewards.py").write_text(REWARD_FILE)
+        extra = {"reward_file": str(tmp_path / "my_rewards.py"), "reward_funcs": "correctness,format,brevity",
+                 "reward_weights": "1.0,0.5,0.25"}
+    monkeypatch.chdir(tmp_path)  # runs/ goes here
+    cfg = Config(model=TINY, dataset=str(path), **fields, **extra, beta=0.0, ref_url="http://127.0.0.1:9",
+                 steps=2, batch_prompts=2, num_generations=4, max_new_tokens=16, run_name=kind, save_every=100)
+    main(cfg)
+    rows = [json.loads(line) for line in open(tmp_path / "runs" / kind / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["kl"] == 0.0 and "reward_correctness" in r for r in rows)
+    assert os.path.exists(tmp_path / "runs" / kind / "step_2" / "model.safetensors")
+    if kind == "parquet":
+        for r in rows:
+            assert 0.0 <= r["reward_brevity"] <= 1.0
+            want = r["reward_correctness"] + 0.5 * r["reward_format"] + 0.25 * r["reward_brevity"]
+            assert r["reward_mean"] == pytest.approx(want, abs=1e-4)
+
+
+def test_bad_options_fail_before_any_model_loads():
+    for bad, name in (({"loss_type": "ppo"}, "loss_type"), ({"scale_rewards": "all"}, "scale_rewards"),
+                      ({"kl_estimator": "k9"}, "kl_estimator"), ({"prompt_format": "xml"}, "prompt_format")):
+        with pytest.raises(SystemExit, match=name):
+            check_options(Config(**bad))
+    with pytest.raises(ValueError, match="unknown reward"):
+        check_options(Config(reward_funcs="correctness,nope", reward_weights="1,1"))
+    cfg = Config(loss_type="dr_grpo")
+    check_options(cfg)
+    assert cfg.scale_rewards == "none" and cfg.epsilon_high == cfg.epsilon
+    cfg = Config(loss_type="dapo")
+    check_options(cfg)
+    assert cfg.scale_rewards == "group" and cfg.epsilon_high == 0.28
+
+
+def test_num_iterations_reuses_the_rollouts_and_the_second_ratio_is_the_first_steps_move():
+    """Iteration 1 is on-policy (ratio 1); iteration 2 uses iteration 1's log-probs as old_logps,
+    so its ratio is exp(logp after one step - logp before). The one-step policy comes from a
+    second engine that takes num_iterations=1 on the same batch from the same start."""
+    def engine_for(iterations):
+        cfg = Config(model=TINY, beta=0.0, num_iterations=iterations, lr=1e-3, seed=0)
+        check_options(cfg)
+        engine, tokenizer = make_engine(cfg)
+        return cfg, engine, tokenizer
+
+    cfg1, one, tokenizer = engine_for(1)
+    enc = tokenizer([chat_prompt(tokenizer, PROBLEMS[0]["question"])], return_tensors="pt", add_special_tokens=False)
+    torch.manual_seed(0)
+    completions = torch.randint(10, 400, (4, 6))
+    completions[:2, 4] = tokenizer.eos_token_id  # two end, two are cut off
+    batch = {"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"], "completion_ids": completions,
+             "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])}
+    mask = completion_mask(completions, tokenizer.eos_token_id)
+
+    def logps(engine):
+        with torch.no_grad():
+            return sequence_logps(engine.module, batch["prompt_ids"], batch["prompt_mask"], completions, cfg1.temperature)
+
+    before = logps(one)
+    stats1 = grpo_update(one, dict(batch), cfg1, tokenizer.eos_token_id)
+    after_one_step = logps(one)
+    assert stats1["ratio_mean"] == pytest.approx(1.0)
+    cfg2, two, _ = engine_for(2)
+    assert torch.allclose(logps(two), before)  # the same start
+    stats2 = grpo_update(two, dict(batch), cfg2, tokenizer.eos_token_id)
+    hand = ((torch.exp(after_one_step - before) * mask).sum() / mask.sum()).item()
+    assert stats2["ratio_mean"] == pytest.approx(hand, abs=1e-5) and abs(hand - 1) > 1e-4
+    assert two.global_steps == 2 and one.global_steps == 1
+
+
+@pytest.mark.parametrize("zero_stage, loss_type", [(0, "grpo"), (2, "bnpo"), (0, "dr_grpo")])
+def test_micro_batches_give_the_whole_batchs_step(zero_stage, loss_type):
+    """Forward/backward one group at a time, then one step: the gradient that step uses is the
+    whole batch's. (Compared before Adam: Adam's first step is ~lr * sign(g), so where g is ~0
+    rounding alone flips a weight's move.)"""
+    torch.manual_seed(0)
+    Q, G = 3, 4
+    batch = {"prompt_ids": torch.randint(3, 500, (Q, 7)), "prompt_mask": torch.ones(Q, 7, dtype=torch.long),
+             "completion_ids": torch.randint(3, 500, (Q * G, 5)), "advantages": torch.randn(Q * G),
+             }
+    batch["completion_ids"][::3, 2] = 2  # some completions end early (EOS is id 2 in the tiny tokenizer)
+    from transformers import AutoModelForCausalLM
+    with torch.no_grad():  # reference log-probs near the policy's, as a real reference model's are
+        model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+        batch["ref_logps"] = sequence_logps(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                                            0.7) + 0.1 * torch.randn(Q * G, 5)
+    results = []
+    for groups in (0, 1):
+        cfg = Config(model=TINY, zero_stage=zero_stage, loss_type=loss_type, micro_batch_groups=groups)
+        check_options(cfg)
+        engine, tokenizer = make_engine(cfg)
+        assert tokenizer.eos_token_id == 2
+        params = list(engine.module.parameters())
+        grads = [torch.zeros_like(p) for p in params]
+        def adder(acc):
+            def add(g):
+                acc.add_(g.detach())  # returns None: the gradient itself is left as it is
+            return add
+
+        hooks = [p.register_hook(adder(acc)) for p, acc in zip(params, grads)]
+        stats = grpo_update(engine, dict(batch), cfg, tokenizer.eos_token_id)
+        for h in hooks:
+            h.remove()
+        results.append((torch.cat([g.flatten() for g in grads]), stats))
+    (whole, whole_stats), (parts, parts_stats) = results
+    assert whole.abs().max() > 1e-3  # a real gradient
+    assert torch.allclose(whole, parts, atol=1e-6), (whole - parts).abs().max()
+    assert parts_stats["loss"] == pytest.approx(whole_stats["loss"], abs=1e-6)
+    assert parts_stats["kl"] == pytest.approx(whole_stats["kl"], abs=1e-6)
+    assert parts_stats["skipped_updates"] == whole_stats["skipped_updates"] == 0
+
+
+@pytest.mark.slow
+def test_grpo_vllm_one_with_beta_zero_needs_no_reference_server():
+    out = subprocess.run([sys.executable, "grpo_vllm_one.py", "--beta", "0", "--ref_url", "http://127.0.0.1:9",
+                          "--steps", "2", "--batch_prompts", "2", "--num_generations", "4", "--max_new_tokens", "16",
+                          "--run_name", "test_beta0", "--loss_type", "dr_grpo"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", "test_beta0", "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["kl"] == 0.0 for r in rows)
+
+
+@pytest.mark.slow
+def test_the_gsm8k_recipe_runs_two_steps_on_cpu_with_the_tiny_model():
+    """recipes/gsm8k.sh, the README's GPU recipe, with the tiny model and toy data swapped in."""
+    env = {**os.environ, "MODEL": "models/tiny-math", "DATASET": "data/toy_math/train.jsonl", "DATASET_CONFIG": "",
+           "EVAL_DATASET": "data/toy_math/test.jsonl", "REF_DEVICE": "cpu", "STEPS": "2", "RUN": "test_recipe",
+           "BATCH_PROMPTS": "2", "NUM_GENERATIONS": "4", "MAX_NEW_TOKENS": "32", "MAX_MODEL_LEN": "512",
+           "PORT": "59891", "PY": sys.executable, "DEEPSPEED": os.path.join(os.path.dirname(sys.executable), "deepspeed")}
+    out = subprocess.run(["bash", "recipes/gsm8k.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", "test_recipe", "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [1, 2]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["n"] == 500 and 0.0 <= result["accuracy"] <= 1.0
