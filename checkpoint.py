@@ -7,6 +7,7 @@ step_N.tmp/ and renamed to step_N/ only when complete: a rename is atomic, so a 
 either the whole checkpoint or a .tmp/ that --resume ignores and removes. Only the latest
 checkpoint keeps its deepspeed/ state (the optimizer's moments are twice the model's size).
 """
+import contextlib
 import os
 import random
 import re
@@ -49,9 +50,15 @@ def save_checkpoint(engine, tokenizer, run_dir, step, state):
     barrier()
     engine.save_checkpoint(tmp, tag=STATE_DIR, client_state={"trainer": state, "rng": rng_states()},
                            save_latest=False)
+    gather = contextlib.nullcontext()
+    if engine.zero_optimization_stage() == 3:  # each rank holds a shard of every weight: gather them whole
+        import deepspeed
+        gather = deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+    with gather:  # every rank enters; rank 0 writes
+        if rank0:
+            engine.module.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
     if rank0:
-        engine.module.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)  # the checkpoint exists from here on, whole
         for d in checkpoint_dirs(run_dir):  # older ones keep the HF model, not the optimizer state

@@ -105,7 +105,7 @@ def load_data(cfg):
 
 
 # ---------------------------------------------------------------------------- rollouts
-def generate(model, tokenizer, prompts, cfg):
+def generate(model, tokenizer, prompts, cfg, synced_gpus=False):
     """Sample G completions per prompt. Returns prompt_ids (Q, P) left-padded with its mask,
     and completion_ids (Q*G, C) right-padded with pad, group after group."""
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left",
@@ -119,7 +119,7 @@ def generate(model, tokenizer, prompts, cfg):
         out = model.generate(input_ids=ids.repeat_interleave(G, 0), attention_mask=mask.repeat_interleave(G, 0),
                              past_key_values=cache, do_sample=True, temperature=cfg.temperature, top_k=0,
                              top_p=1.0, max_new_tokens=cfg.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id)
+                             pad_token_id=tokenizer.pad_token_id, synced_gpus=synced_gpus)
     model.train()
     return ids, mask, out[:, ids.size(1):]
 
@@ -255,7 +255,7 @@ def open_run(cfg, engine):
     return run_dir, metrics_path, first_step, state
 
 
-def grpo_update(engine, batch, cfg, eos_token_id):
+def grpo_update(engine, batch, cfg, eos_token_id, weight=1.0):
     """The GRPO update on one collated batch; returns the loss's diagnostics.
 
     old_logps are the sampler's log-probs when it reported them (an asynchronous sampler
@@ -263,7 +263,8 @@ def grpo_update(engine, batch, cfg, eos_token_id):
     num_iterations > 1 takes several steps on the same rollouts (PPO's epochs): from the
     second on, the ratio moves off 1 and the clip bounds the update. With micro_batch_groups,
     forward and backward go a few groups at a time and the gradients add up to the whole
-    batch's (each part's loss weighted by its share), for one optimizer step."""
+    batch's (each part's loss weighted by its share), for one optimizer step. weight 0: take part
+    in the step's collectives (several ranks) with no gradient of one's own."""
     batch = {k: v.to(engine.device) for k, v in batch.items()}
     mask = completion_mask(batch["completion_ids"], eos_token_id, cfg.mask_truncated_completions)
     Q = batch["prompt_ids"].size(0)
@@ -284,7 +285,7 @@ def grpo_update(engine, batch, cfg, eos_token_id):
                 mask[rows], beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
                 loss_type=cfg.loss_type, importance_sampling_level=cfg.importance_sampling_level,
                 kl_estimator=cfg.kl_estimator, max_completion_length=cfg.max_new_tokens, impl=cfg.loss_impl)
-            share = (mask[rows].sum() / mask.sum().clamp(min=1)).item() if token_mean else (q1 - q0) / Q
+            share = weight * ((mask[rows].sum() / mask.sum().clamp(min=1)).item() if token_mean else (q1 - q0) / Q)
             engine.set_gradient_accumulation_boundary(i == len(parts) - 1)  # one optimizer step after the last
             engine.backward(part_loss * share)
             loss += part_loss.item() * share
@@ -318,15 +319,21 @@ def main(cfg: Config):
     run_dir, metrics_path, first_step, state = open_run(cfg, engine)
     if state is not None:
         rng.setstate(state["data_rng"])
-    run_id, G = uuid.uuid4().hex, cfg.num_generations  # run_id tells this run's groups from strays
+    run_id, G = uuid.uuid4().hex, cfg.num_generations  # run_id tells this rank's groups from others'
+    # several ranks (deepspeed --num_gpus N, torchrun): each takes its share of the step's problems
+    # and samples with its own seed; DeepSpeed averages their gradients into one step
+    rank, world, B = engine.global_rank, engine.world_size, cfg.batch_prompts
+    torch.manual_seed(cfg.seed + rank)
+    synced = cfg.zero_stage == 3 and world > 1  # ZeRO-3 gathers weights in every forward: all ranks run as many
 
-    bar = tqdm(range(first_step, cfg.steps + 1), desc="grpo", initial=first_step - 1, total=cfg.steps)
+    bar = tqdm(range(first_step, cfg.steps + 1), desc="grpo", initial=first_step - 1, total=cfg.steps,
+               disable=rank != 0)
     for step in bar:
         t0 = time.time()
         # 1. rollouts from the current policy
-        batch_problems = rng.sample(problems, cfg.batch_prompts)
+        batch_problems = rng.sample(problems, B * world)[rank * B:(rank + 1) * B]
         prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format) for p in batch_problems]
-        prompt_ids, prompt_mask, completion_ids = generate(engine.module, tokenizer, prompts, cfg)
+        prompt_ids, prompt_mask, completion_ids = generate(engine.module, tokenizer, prompts, cfg, synced)
         mask = completion_mask(completion_ids, tokenizer.eos_token_id)
         texts = tokenizer.batch_decode(completion_ids * mask.long() + tokenizer.pad_token_id * (1 - mask.long()),
                                        skip_special_tokens=True)
@@ -335,9 +342,13 @@ def main(cfg: Config):
         # 2. rewards and group-relative advantages; groups with no reward variance are dropped
         rewards, scores = score_groups(texts, batch_problems, G, weights)
         prompt_rows = [ids[m.bool()] for ids, m in zip(prompt_ids, prompt_mask)]
-        groups, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G,
-                                         {"run_id": run_id, "policy_version": step,
-                                          "temperature": cfg.temperature}, scale_rewards=cfg.scale_rewards)
+        meta = {"run_id": run_id, "policy_version": step, "temperature": cfg.temperature}
+        groups, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G, meta,
+                                         keep_equal=world > 1, scale_rewards=cfg.scale_rewards)
+        weight = 1.0
+        if world > 1:  # every rank must take part in the step: one with no signal trains a group at weight 0
+            weight = float(has_signal.any())
+            groups = [g for g, keep in zip(groups, has_signal.tolist()) if keep] or groups[:1]
 
         # 3.-4. reference log-probs from the server (none needed when beta is 0), then the GRPO update
         stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 1.0, "grad_norm": 0.0}
@@ -346,19 +357,21 @@ def main(cfg: Config):
             finished = get_ref_logps(cfg, groups, run_id) if cfg.beta != 0 else [t for t, _ in groups]
             batch = collate(finished, tokenizer.pad_token_id)
             t2 = time.time()
-            stats = grpo_update(engine, batch, cfg, tokenizer.eos_token_id)
+            stats = grpo_update(engine, batch, cfg, tokenizer.eos_token_id, weight)
         ref_s, compute_s = (t2 - t1, time.time() - t2) if groups else (0.0, 0.0)
 
         # log what we measured
         record = {"step": step, **rollout_stats(rewards, scores, mask, has_signal, gen_s), **stats,
                   "ref_s": ref_s, "compute_s": compute_s, "step_s": time.time() - t0}
-        log_step(metrics_path, record)
+        if rank == 0:  # rank 0's own rollouts and loss
+            log_step(metrics_path, record)
         bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['accuracy']:.2f}",
                         fmt=f"{record['format_rate']:.2f}", kl=f"{record['kl']:.3f}")
         if step % cfg.save_every == 0 or step == cfg.steps:
             save_checkpoint(engine, tokenizer, run_dir, step, {"data_rng": rng.getstate()})
 
-    plot_curves(metrics_path, os.path.join(run_dir, "curves.png"))
+    if rank == 0:
+        plot_curves(metrics_path, os.path.join(run_dir, "curves.png"))
     print(f"done: {run_dir}/step_{cfg.steps} ({run_dir}/metrics.jsonl, {run_dir}/curves.png)")
 
 

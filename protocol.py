@@ -142,7 +142,9 @@ def take_group(cfg, run_id, check_alive=None, policy_version=None):
     dead producer stops the wait with an error. policy_version: the trainer's (the regrouping
     server serves no answer too much older)."""
     deadline = time.time() + cfg.ref_timeout
-    params = {"wait": 2} if policy_version is None else {"wait": 2, "policy_version": policy_version}
+    params = {"wait": 2, "run_id": run_id}  # the server keeps other runs' (and other ranks') groups for them
+    if policy_version is not None:
+        params["policy_version"] = policy_version
     while True:
         r = ref_request(cfg, "GET", "/get", params=params)
         if r.status_code == 200:

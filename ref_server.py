@@ -65,13 +65,51 @@ def ref_worker(model, todo, done, device, stats, lock):
         size, tensors, meta = todo.get()
         try:
             add_ref_logps(model, tensors, meta, device)
-            done.put((size, encode(tensors, meta)))  # blocks while trainers are behind: todo then fills
+            dropped = done.put(meta.get("run_id"), (size, encode(tensors, meta)))  # waits while trainers are behind
+            with lock:
+                stats["queued_bytes"] -= sum(stale_size for stale_size, _ in dropped)
             stats["groups_out"] += 1
         except Exception as e:  # noqa: BLE001 - report, keep serving
             with lock:
                 stats["queued_bytes"] -= size
             stats["errors"] += 1
             print(f"ref_worker: group dropped: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+class Finished:
+    """Finished groups waiting for trainers, oldest first, at most `maxsize`. A trainer may ask for
+    its own run's groups only: the ranks of a multi-GPU run share one server, each with its run_id.
+    When full, a group older than `stale_s` (a run that stopped taking its groups) makes room."""
+
+    def __init__(self, maxsize, stale_s=600.0):
+        self.items, self.maxsize, self.stale_s, self.changed = [], maxsize, stale_s, threading.Condition()
+
+    def put(self, run_id, item):
+        """Add item, waiting for room; returns the stale items dropped to make it."""
+        dropped = []
+        with self.changed:
+            while len(self.items) >= self.maxsize:
+                if time.time() - self.items[0][1] > self.stale_s:
+                    dropped.append(self.items.pop(0)[2])
+                else:
+                    self.changed.wait(timeout=1.0)
+            self.items.append((run_id, time.time(), item))
+            self.changed.notify_all()
+        return dropped
+
+    def get(self, run_id=None, timeout=0.0):
+        """The oldest item (of run_id, if given); queue.Empty if none comes within timeout."""
+        def first():
+            return next((i for i, (r, _, _) in enumerate(self.items) if run_id in (None, r)), None)
+        with self.changed:
+            self.changed.wait_for(lambda: first() is not None, timeout)
+            if (i := first()) is None:
+                raise queue.Empty
+            self.changed.notify_all()
+            return self.items.pop(i)[2]
+
+    def qsize(self):
+        return len(self.items)
 
 
 def answer(status, reason):
@@ -120,7 +158,7 @@ def read_rollout(cfg, model_config, stats):
 
 def make_app(model, cfg: ServerConfig):
     app = bottle.Bottle()
-    todo, done = queue.Queue(cfg.max_queue), queue.Queue(cfg.max_queue)
+    todo, done = queue.Queue(cfg.max_queue), Finished(cfg.max_queue)
     stats = {"groups_in": 0, "groups_out": 0, "groups_taken": 0, "rejected": 0, "rejected_full": 0,
              "errors": 0, "queued_bytes": 0}
     lock, started = threading.Lock(), time.time()
@@ -142,9 +180,9 @@ def make_app(model, cfg: ServerConfig):
 
     @app.get("/get")
     def get():
-        """The oldest finished group as safetensors bytes; 204 if none within ?wait= seconds."""
+        """The oldest finished group (of ?run_id=, if given) as safetensors bytes; 204 if none within ?wait= seconds."""
         try:
-            size, body = done.get(timeout=wait_seconds()) if wait_seconds() > 0 else done.get_nowait()
+            size, body = done.get(bottle.request.query.get("run_id") or None, timeout=wait_seconds())
         except queue.Empty:
             return bottle.HTTPResponse(status=204)
         with lock:

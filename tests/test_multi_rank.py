@@ -1,0 +1,149 @@
+"""Several DeepSpeed ranks on CPU (gloo): 2 ranks with ZeRO-2 and ZeRO-3, launched by torchrun and
+by the deepspeed launcher, take the same steps as one rank on the same global batch."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+
+# Every rank builds the same global batch (4 groups of 4) and trains 3 steps on its share of the groups;
+# DeepSpeed averages the ranks' gradients, so the step is the global batch's. Rank 0 prints the
+# loss averaged over ranks and a checksum of the weights after the step.
+STEP = r"""
+import json, os, sys
+import torch
+import torch.distributed as dist
+sys.path.insert(0, os.getcwd())
+from grpo_train import Config, check_options, grpo_update, make_engine
+from grpo_math import sequence_logps
+from checkpoint import save_checkpoint
+
+args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the deepspeed launcher adds it
+cfg = Config(zero_stage=int(args[0]), threads=1, lr=1e-4)
+check_options(cfg)
+engine, tok = make_engine(cfg)
+rank, world = engine.global_rank, engine.world_size
+g = torch.Generator().manual_seed(0)
+Q, G = 4, 4
+batch = {"prompt_ids": torch.randint(3, 500, (Q, 7), generator=g), "prompt_mask": torch.ones(Q, 7, dtype=torch.long),
+         "completion_ids": torch.randint(3, 500, (Q * G, 5), generator=g), "advantages": torch.randn(Q * G, generator=g)}
+batch["completion_ids"][::3, 2] = tok.eos_token_id
+with torch.no_grad():  # reference log-probs near the policy's (every rank computes them for the whole batch)
+    batch["ref_logps"] = sequence_logps(engine, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                                        cfg.temperature) + 0.1 * torch.randn(Q * G, 5, generator=g)
+q = Q // world  # this rank's groups
+mine = {k: (v[rank * q:(rank + 1) * q] if k.startswith("prompt") else v[rank * q * G:(rank + 1) * q * G])
+        for k, v in batch.items()}
+losses, skipped = [], 0
+for step in range(3):  # three steps on this batch
+    stats = grpo_update(engine, mine, cfg, tok.eos_token_id)
+    losses.append(stats["loss"])
+    skipped += stats["skipped_updates"]
+loss = torch.tensor(losses)
+if dist.is_initialized() and world > 1:
+    dist.all_reduce(loss)
+    loss /= world
+out_dir = args[1]
+save_checkpoint(engine, tok, out_dir, 1, {})  # gathers ZeRO-3's shards for the HF model
+if rank == 0:
+    from safetensors.torch import load_file
+    saved = load_file(os.path.join(out_dir, "step_1", "model.safetensors"))
+    print(json.dumps({"loss": loss.tolist(), "world": world, "skipped": skipped,
+                      "weights_sum": sum(t.double().sum().item() for t in saved.values()),
+                      "numel": sum(t.numel() for t in saved.values())}))
+"""
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_step(tmp_path, launcher, stage):
+    script = tmp_path / "step.py"
+    script.write_text(STEP)
+    out_dir = tmp_path / f"{launcher}_{stage}"
+    if launcher == "python":
+        cmd = [sys.executable, str(script), str(stage), str(out_dir)]
+    elif launcher == "torchrun":
+        cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), str(script),
+               str(stage), str(out_dir)]
+    else:
+        cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(script),
+               str(stage), str(out_dir)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith('{"loss"')]
+    assert len(lines) == 1, out.stdout[-3000:]  # rank 0 alone prints
+    return json.loads(lines[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher, stage", [("torchrun", 2), ("deepspeed", 3)])
+def test_two_ranks_take_the_one_rank_step(tmp_path, launcher, stage):
+    one = run_step(tmp_path, "python", stage)
+    two = run_step(tmp_path, launcher, stage)
+    assert one["world"] == 1 and two["world"] == 2 and one["skipped"] == two["skipped"] == 0
+    print(f"1 rank: {one}\n2 ranks ({launcher}, ZeRO-{stage}): {two}")
+    assert two["loss"][0] == pytest.approx(one["loss"][0], abs=1e-5)  # step 1: the same weights, the same batch
+    assert two["loss"] == pytest.approx(one["loss"], abs=1e-4)  # steps 2-3 too, up to Adam's rounding
+    # the saved model is whole under ZeRO-3 (gathered), and the step moved it the same way
+    assert two["numel"] == one["numel"] > 1_000_000
+    assert two["weights_sum"] == pytest.approx(one["weights_sum"], rel=1e-4)
+
+
+def test_the_ref_server_hands_each_run_its_own_groups_and_drops_stale_ones():
+    from ref_server import Finished
+    done = Finished(maxsize=3, stale_s=0.2)
+    done.put("rank0", "a0")
+    done.put("rank1", "b0")
+    done.put("rank0", "a1")
+    assert done.get("rank1") == "b0"  # not rank 0's older group
+    assert done.get("rank0") == "a0" and done.get() == "a1"
+    with pytest.raises(Exception):  # queue.Empty
+        done.get("rank1", timeout=0.1)
+    for i in range(3):
+        done.put("dead_run", f"d{i}")
+    import time
+    time.sleep(0.3)
+    assert done.put("live", "x") == ["d0"]  # full: the oldest stale group made room
+    assert done.qsize() == 3 and done.get("live") == "x"
+
+
+@pytest.mark.slow
+def test_grpo_train_on_two_ranks_with_a_ref_server(tmp_path):
+    """deepspeed --num_gpus 2 grpo_train.py, ZeRO-2: each rank samples its own problems and takes
+    its own groups back from the one reference server; rank 0 logs, both save."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "ref_server.py", "--port", str(port)], cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import requests
+        import time
+        for _ in range(120):
+            try:
+                requests.get(f"http://127.0.0.1:{port}/health", timeout=1).raise_for_status()
+                break
+            except requests.RequestException:
+                time.sleep(0.5)
+        out = subprocess.run([os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                              "grpo_train.py", "--ref_url", f"http://127.0.0.1:{port}", "--steps", "3",
+                              "--batch_prompts", "2", "--num_generations", "4", "--max_new_tokens", "24",
+                              "--zero_stage", "2", "--threads", "1", "--run_name", "test_two_ranks"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", "test_two_ranks", "metrics.jsonl"))]
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        assert os.path.exists(os.path.join(ROOT, "runs", "test_two_ranks", "step_3", "model.safetensors"))
+        stats = requests.get(f"http://127.0.0.1:{port}/stats", timeout=5).json()
+        assert stats["groups_taken"] == stats["groups_in"] > 0 and stats["ready"] == 0  # every group went back
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
