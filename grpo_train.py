@@ -315,6 +315,8 @@ def main(cfg: Config):
     if cfg.beta != 0:
         ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent
     engine, tokenizer = make_engine(cfg)
+    rank, world, B = engine.global_rank, engine.world_size, cfg.batch_prompts
+    torch.manual_seed(cfg.seed + rank)  # each rank samples its own completions (a resume restores this state)
     rng = random.Random(cfg.seed)  # draws the problems: its state is the data position
     run_dir, metrics_path, first_step, state = open_run(cfg, engine)
     if state is not None:
@@ -322,8 +324,6 @@ def main(cfg: Config):
     run_id, G = uuid.uuid4().hex, cfg.num_generations  # run_id tells this rank's groups from others'
     # several ranks (deepspeed --num_gpus N, torchrun): each takes its share of the step's problems
     # and samples with its own seed; DeepSpeed averages their gradients into one step
-    rank, world, B = engine.global_rank, engine.world_size, cfg.batch_prompts
-    torch.manual_seed(cfg.seed + rank)
     synced = cfg.zero_stage == 3 and world > 1  # ZeRO-3 gathers weights in every forward: all ranks run as many
 
     bar = tqdm(range(first_step, cfg.steps + 1), desc="grpo", initial=first_step - 1, total=cfg.steps,
