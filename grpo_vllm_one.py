@@ -34,6 +34,7 @@ import uuid
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
@@ -80,7 +81,7 @@ def sample(llm, prompts, cfg):
     with pad, and the sampler's per-token log-probs old_logps (Q*G, C), group after group."""
     from vllm import SamplingParams
     params = SamplingParams(n=cfg.num_generations, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
-                            logprobs=0)  # logprobs=0: just the sampled token's
+                            min_tokens=cfg.min_new_tokens, logprobs=0)  # logprobs=0: just the sampled token's
     outputs = llm.generate(prompts, params, use_tqdm=False)
     pad = llm.get_tokenizer().pad_token_id
     completions = [c for out in outputs for c in out.outputs]
@@ -189,10 +190,11 @@ def gen_worker(cfg, run_id, weights_queue, groups_queue, loaded, stop, parent_pi
     # draws: batches of problems taken from rng so far, the data position a checkpoint records
     version, batch, draws, shared, load_s = (None if cfg.resume else 0), 0, 0, {}, 0.0
     generated, ask_again = 0, []  # completions made so far; regroup: questions to ask once more
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # trainer ranks: batch b goes to rank b % world
     while not stop.is_set():
         # bounded staleness: batch b is trained at trainer step b+1, by weights of version b
         # (regroup: the server evicts old answers instead, and answers 503 when enough are ready)
-        must_wait = version is None or (not cfg.regroup and batch - version > cfg.max_policy_lag)
+        must_wait = version is None or (not cfg.regroup and batch // world - version > cfg.max_policy_lag)
         try:
             message = weights_queue.get(timeout=1.0) if must_wait else weights_queue.get_nowait()
         except queue.Empty:
@@ -217,7 +219,8 @@ def gen_worker(cfg, run_id, weights_queue, groups_queue, loaded, stop, parent_pi
                                        skip_special_tokens=True)
         gen_s = time.time() - t0
         rewards, scores = score_groups(texts, batch_problems, G, weights)
-        meta = {"run_id": run_id, "policy_version": version, "temperature": cfg.temperature}
+        meta = {"run_id": rank_run_id(run_id, batch % world, world, cfg.regroup), "policy_version": version,
+                "temperature": cfg.temperature}
         groups, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, old_logps,
                                          keep_equal=cfg.regroup, scale_rewards=cfg.scale_rewards)
         generated += completion_ids.size(0)
@@ -235,6 +238,32 @@ def gen_worker(cfg, run_id, weights_queue, groups_queue, loaded, stop, parent_pi
         for group in groups if not uses_ref_server(cfg) else []:
             groups_queue.put(group)  # local: tensors travel in shared memory, nothing is pickled over a network
         batch += bool(groups)
+
+
+def rank_run_id(run_id, rank, world, regroup):
+    """The run_id a rank's batches carry: the server hands each rank its own (regroup: any rank
+    takes any group, each a whole group)."""
+    return run_id if world == 1 or regroup else f"{run_id}-{rank}"
+
+
+def sync_weights(sender, engine, version, cfg, check_alive):
+    """Every rank calls it: under ZeRO-3 every rank takes part in gathering the weights whole;
+    rank 0, which runs the worker, sends them."""
+    if sender is not None:
+        sender.send(engine.module, version, cfg.zero_stage, check_alive)
+    elif cfg.zero_stage == 3:
+        import deepspeed
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            pass
+
+
+def max_over_ranks(value):
+    """The largest of the ranks' values, the same on every rank: they stop and save together."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    t = torch.tensor([float(value)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 def uses_ref_server(cfg):
@@ -292,33 +321,42 @@ def main(cfg: Config):
     if cfg.max_policy_lag < cfg.sync_every - 1:
         raise SystemExit(f"max_policy_lag={cfg.max_policy_lag} < sync_every-1={cfg.sync_every - 1}: the worker would "
                          f"wait for weights the trainer cannot make without its batches")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise SystemExit("grpo_vllm_one.py trains on one rank for now; use grpo_train.py for several ranks")
+    # several ranks (deepspeed --num_gpus N): rank 0 runs the one generation worker, which makes
+    # N batches per step; the ref server hands batch b to rank b % N; DeepSpeed averages the gradients
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not uses_ref_server(cfg):
+        raise SystemExit("several ranks take their batches from the ref server: use --beta > 0 (or one rank)")
     check_options(cfg)  # bad options and data fail here, before any process starts
     load_data(cfg)
     if uses_ref_server(cfg):
         ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent
     run_id = uuid.uuid4().hex  # tells this run's groups from any another run left in the server
-    worker, sender, groups_queue, stop = start_worker(cfg, run_id)
+    worker, sender, groups_queue, stop = start_worker(cfg, run_id) if rank == 0 else (None, None, None, None)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on `kill` too
 
     def check_worker():
-        if not worker.is_alive():
+        if worker is not None and not worker.is_alive():
             raise SystemExit(f"generation worker (pid {worker.pid}) died with exit code {worker.exitcode}: "
                              f"see its log above")
 
     def take(step):
         if uses_ref_server(cfg):
-            return take_group(cfg, run_id, check_worker, step - 1)
+            return take_group(cfg, rank_run_id(run_id, rank, world, cfg.regroup), check_worker, step - 1)
         return take_local_group(groups_queue, check_worker, cfg.ref_timeout)
 
     try:
         engine, tokenizer = make_engine(cfg)
+        if world > 1:  # every rank takes its batches under rank 0's run_id
+            shared = [run_id]
+            dist.broadcast_object_list(shared, src=0)
+            run_id = shared[0]
         run_dir, metrics_path, first_step, state = open_run(cfg, engine)
         if state is not None:  # resuming: the worker takes up the checkpoint's data position and weights
-            sender.queue.put(("resume", first_step - 1, state["draws"]))
-            sender.send(engine.module, first_step - 1, cfg.zero_stage, check_worker)
-        bar = tqdm(range(first_step, cfg.steps + 1), desc="grpo (vllm)", initial=first_step - 1, total=cfg.steps)
+            if sender is not None:
+                sender.queue.put(("resume", (first_step - 1) * world, state["draws"]))
+            sync_weights(sender, engine, first_step - 1, cfg, check_worker)
+        bar = tqdm(range(first_step, cfg.steps + 1), desc="grpo (vllm)", initial=first_step - 1, total=cfg.steps,
+                   disable=rank != 0)
         generated, trained = 0, 0  # completions: made by the worker, in a trained group
         for step in bar:
             # 1. the next batch of groups the worker made, with ref_logps from the server
@@ -338,22 +376,26 @@ def main(cfg: Config):
 
             # 3. new weights to the worker, in memory
             if step % cfg.sync_every == 0 and step < cfg.steps:
-                sender.send(engine.module, step, cfg.zero_stage, check_worker)
+                sync_weights(sender, engine, step, cfg, check_worker)
             record = {"step": step, **meta["stats"], **stats, "policy_lag": step - 1 - oldest,
                       "generated": generated, "trained": trained,
                       "wait_s": wait_s, "compute_s": compute_s, "sync_s": time.time() - t0 - wait_s - compute_s,
                       "step_s": time.time() - t0}
-            log_step(metrics_path, record)
+            if rank == 0:  # rank 0's own batch and loss
+                log_step(metrics_path, record)
             bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['accuracy']:.2f}",
                             kl=f"{record['kl']:.3f}", lag=record["policy_lag"], wait=f"{wait_s:.2f}")
-            last = step == cfg.steps or 0 < cfg.max_completions <= generated
-            if step % cfg.save_every == 0 or last:
-                save_checkpoint(engine, tokenizer, run_dir, step, {"draws": meta["draws"]})
+            last = bool(max_over_ranks(step == cfg.steps or 0 < cfg.max_completions <= generated))
+            if step % cfg.save_every == 0 or last:  # the data position after every rank's batch
+                draws = int(max_over_ranks(meta["draws"]))
+                save_checkpoint(engine, tokenizer, run_dir, step, {"draws": draws})
             if last:
                 break
     finally:
-        stop_worker(worker, stop)
-    plot_curves(metrics_path, os.path.join(run_dir, "curves.png"))
+        if worker is not None:
+            stop_worker(worker, stop)
+    if rank == 0:
+        plot_curves(metrics_path, os.path.join(run_dir, "curves.png"))
     print(f"done: {run_dir}/step_{step} ({run_dir}/metrics.jsonl, {run_dir}/curves.png)")
 
 

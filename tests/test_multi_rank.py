@@ -118,32 +118,53 @@ def test_the_ref_server_hands_each_run_its_own_groups_and_drops_stale_ones():
 
 
 @pytest.mark.slow
-def test_grpo_train_on_two_ranks_with_a_ref_server(tmp_path):
-    """deepspeed --num_gpus 2 grpo_train.py, ZeRO-2: each rank samples its own problems and takes
-    its own groups back from the one reference server; rank 0 logs, both save."""
-    port = free_port()
+@pytest.mark.parametrize("trainer, stage", [("grpo_train", 2), ("grpo_vllm_one", 3)])
+def test_two_ranks_with_a_ref_server(trainer, stage):
+    """deepspeed --num_gpus 2: grpo_train's ranks each sample their own problems and take their own
+    groups back; grpo_vllm_one's one vLLM worker (on rank 0) makes a batch for each rank, which the
+    server routes by run_id, and under ZeRO-3 both ranks gather the weights for each sync. Every
+    group comes back, rank 0 logs, the checkpoint is whole, and no process is left behind."""
+    import psutil
+    import requests
+    import time
+    port, run = free_port(), f"test_two_ranks_{trainer}"
     server = subprocess.Popen([sys.executable, "ref_server.py", "--port", str(port)], cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        import requests
-        import time
         for _ in range(120):
             try:
                 requests.get(f"http://127.0.0.1:{port}/health", timeout=1).raise_for_status()
                 break
             except requests.RequestException:
                 time.sleep(0.5)
-        out = subprocess.run([os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-                              "grpo_train.py", "--ref_url", f"http://127.0.0.1:{port}", "--steps", "3",
-                              "--batch_prompts", "2", "--num_generations", "4", "--max_new_tokens", "24",
-                              "--zero_stage", "2", "--threads", "1", "--run_name", "test_two_ranks"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=900)
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", "test_two_ranks", "metrics.jsonl"))]
+        launcher = subprocess.Popen(
+            [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), f"{trainer}.py",
+             "--ref_url", f"http://127.0.0.1:{port}", "--steps", "3", "--save_every", "2", "--batch_prompts", "2",
+             "--num_generations", "4", "--max_new_tokens", "24", "--zero_stage", str(stage), "--threads", "1",
+             "--run_name", run], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        family = []
+        deadline = time.time() + 900
+        while launcher.poll() is None and time.time() < deadline:
+            try:
+                family = list({p.pid: p for p in family + psutil.Process(launcher.pid).children(recursive=True)}.values())
+            except psutil.NoSuchProcess:
+                pass
+            time.sleep(1)
+        out = launcher.communicate(timeout=60)[0]
+        assert launcher.returncode == 0, out[-4000:]
+        rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", run, "metrics.jsonl"))]
         assert [r["step"] for r in rows] == [1, 2, 3]
-        assert os.path.exists(os.path.join(ROOT, "runs", "test_two_ranks", "step_3", "model.safetensors"))
+        from safetensors.torch import load_file
+        saved = load_file(os.path.join(ROOT, "runs", run, "step_3", "model.safetensors"))
+        assert sum(t.numel() for t in saved.values()) > 1_000_000  # whole, not ZeRO-3 shards
         stats = requests.get(f"http://127.0.0.1:{port}/stats", timeout=5).json()
-        assert stats["groups_taken"] == stats["groups_in"] > 0 and stats["ready"] == 0  # every group went back
+        assert stats["groups_taken"] + stats["ready"] + stats["waiting"] == stats["groups_in"], stats  # none lost
+        assert stats["groups_taken"] >= 2 * 3, stats  # each rank took at least a group a step
+        if trainer == "grpo_train":  # (grpo_vllm_one's worker may have made the next batches already)
+            assert stats["groups_taken"] == stats["groups_in"], stats
+        assert len(family) >= 2
+        _, alive = psutil.wait_procs(family, timeout=30)
+        assert not alive, [(p.pid, p.name()) for p in alive]
     finally:
         server.terminate()
         server.wait(timeout=30)
