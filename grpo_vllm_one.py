@@ -52,7 +52,9 @@ from protocol import post_groups, ref_request, take_group
 class Config(TrainConfig):
     run_name: str = "vllm_one"
     threads: int = 1  # trainer's CPU threads: the worker has its own core(s) on a CPU machine
-    gen_device: int = -1  # CUDA device for vLLM; -1: the one after the trainer ranks' (or 0 if none is left)
+    gen_device: int = -1  # CUDA device for vLLM; -1: the one after this node's trainer ranks' (or 0 if none is left)
+    gen_tp: int = 1  # vLLM tensor-parallel size: the worker takes gen_tp devices from gen_device on
+    gen_every: int = 0  # one generation worker per this many trainer ranks (0: one per node)
     gen_threads: int = 1  # CPU machines: cores given to the worker's vLLM (the last ones)
     gen_memory: float = 0.3  # vLLM's gpu_memory_utilization (on CPU: fraction of RAM it may take)
     sync_every: int = 1  # optimizer steps between weight syncs to the worker
@@ -72,6 +74,7 @@ def start_vllm(cfg):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
     return LLM(model=cfg.model, dtype="float32", seed=cfg.seed, enforce_eager=not torch.cuda.is_available(),
+               tensor_parallel_size=cfg.gen_tp,
                max_model_len=cfg.max_model_len, gpu_memory_utilization=cfg.gen_memory,
                logprobs_mode="processed_logprobs")
 
@@ -170,9 +173,9 @@ def receive_weights(llm, message, shared, loaded):
 
 
 # ---------------------------------------------------------------------------- generation worker
-def gen_worker(cfg, run_id, weights_queue, groups_queue, loaded, stop, parent_pid):
+def gen_worker(cfg, run_id, ranks, weights_queue, groups_queue, loaded, stop, parent_pid):
     """The worker process: sample, score, post groups to the ref server (or, with beta 0, hand
-    them to the trainer through groups_queue); take new weights."""
+    them to the trainer through groups_queue) for the trainer ranks `ranks`; take new weights."""
     def watch_parent():  # a trainer killed without clean-up must not leave this process behind
         while os.getppid() == parent_pid:
             time.sleep(1)
@@ -185,16 +188,17 @@ def gen_worker(cfg, run_id, weights_queue, groups_queue, loaded, stop, parent_pi
     logging.getLogger("vllm").setLevel(logging.ERROR)  # started: its per-reload notes would flood the log
     tokenizer = llm.get_tokenizer()
     weights, problems = check_options(cfg), load_data(cfg)  # this process loads the reward file too
-    rng, G = random.Random(cfg.seed), cfg.num_generations
+    rng, G = random.Random(cfg.seed + ranks[0]), cfg.num_generations  # each worker its own draws
     # version: trainer steps in the loaded weights (None: resuming, the checkpoint's are on their way);
     # draws: batches of problems taken from rng so far, the data position a checkpoint records
     version, batch, draws, shared, load_s = (None if cfg.resume else 0), 0, 0, {}, 0.0
     generated, ask_again = 0, []  # completions made so far; regroup: questions to ask once more
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # trainer ranks: batch b goes to rank b % world
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    n = len(ranks)  # batch b goes to rank ranks[b % n]
     while not stop.is_set():
         # bounded staleness: batch b is trained at trainer step b+1, by weights of version b
         # (regroup: the server evicts old answers instead, and answers 503 when enough are ready)
-        must_wait = version is None or (not cfg.regroup and batch // world - version > cfg.max_policy_lag)
+        must_wait = version is None or (not cfg.regroup and batch // n - version > cfg.max_policy_lag)
         try:
             message = weights_queue.get(timeout=1.0) if must_wait else weights_queue.get_nowait()
         except queue.Empty:
@@ -219,7 +223,7 @@ def gen_worker(cfg, run_id, weights_queue, groups_queue, loaded, stop, parent_pi
                                        skip_special_tokens=True)
         gen_s = time.time() - t0
         rewards, scores = score_groups(texts, batch_problems, G, weights)
-        meta = {"run_id": rank_run_id(run_id, batch % world, world, cfg.regroup), "policy_version": version,
+        meta = {"run_id": rank_run_id(run_id, ranks[batch % n], world, cfg.regroup), "policy_version": version,
                 "temperature": cfg.temperature}
         groups, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, old_logps,
                                          keep_equal=cfg.regroup, scale_rewards=cfg.scale_rewards)
@@ -283,24 +287,26 @@ def take_local_group(groups_queue, check_alive, timeout):
     raise SystemExit(f"no group from the generation worker in {timeout:.0f} s")
 
 
-def start_worker(cfg, run_id):
-    """Spawn the generation worker on its own device (CUDA) or its own cores (CPU)."""
+def start_worker(cfg, run_id, ranks):
+    """Spawn a generation worker for the trainer ranks `ranks` on its own device(s) (CUDA) or its
+    own cores (CPU)."""
     ctx = mp.get_context("spawn")
     weights_queue, groups_queue, loaded, stop = ctx.Queue(), ctx.Queue(), ctx.Value("i", 0), ctx.Event()
     env = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
     if torch.cuda.is_available():
-        # the trainer ranks use devices 0..world_size-1; vLLM takes the next one, or shares
-        # device 0 (within gen_memory of it) on a one-GPU machine
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        default = world_size if world_size < torch.cuda.device_count() else 0
-        env["CUDA_VISIBLE_DEVICES"] = str(cfg.gen_device if cfg.gen_device >= 0 else default)
+        # this node's trainer ranks use devices 0..local_size-1; vLLM takes the next gen_tp (one
+        # worker per node), or shares device 0 (within gen_memory of it) on a one-GPU machine
+        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+        first = cfg.gen_device if cfg.gen_device >= 0 else (local_size if local_size < torch.cuda.device_count() else 0)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(cfg.gen_tp))
     else:
         cores = sorted(os.sched_getaffinity(0))
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores[-cfg.gen_threads:]))
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # a spawned child takes the parent's environment at start
     try:
-        worker = ctx.Process(target=gen_worker, args=(cfg, run_id, weights_queue, groups_queue, loaded, stop, os.getpid()), name="gen_worker")
+        worker = ctx.Process(target=gen_worker, args=(cfg, run_id, ranks, weights_queue, groups_queue, loaded, stop,
+                                                      os.getpid()), name="gen_worker")
         worker.start()
     finally:
         for k, v in saved.items():
@@ -331,7 +337,12 @@ def main(cfg: Config):
     if uses_ref_server(cfg):
         ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent
     run_id = uuid.uuid4().hex  # tells this run's groups from any another run left in the server
-    worker, sender, groups_queue, stop = start_worker(cfg, run_id) if rank == 0 else (None, None, None, None)
+    # one worker per gen_every ranks (default: per node, on its local rank 0) serves those ranks
+    every = cfg.gen_every or int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
+    served = list(range(rank, min(rank + every, world)))
+    if cfg.regroup and every < world:
+        raise SystemExit("--regroup takes one generation worker: set --gen_every to the number of ranks")
+    worker, sender, groups_queue, stop = start_worker(cfg, run_id, served) if rank % every == 0 else (None,) * 4
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on `kill` too
 
     def check_worker():
@@ -346,14 +357,14 @@ def main(cfg: Config):
 
     try:
         engine, tokenizer = make_engine(cfg)
-        if world > 1:  # every rank takes its batches under rank 0's run_id
-            shared = [run_id]
-            dist.broadcast_object_list(shared, src=0)
-            run_id = shared[0]
+        if world > 1:  # every rank takes its batches under the run_id of the worker that serves it
+            run_ids = [None] * world
+            dist.all_gather_object(run_ids, run_id)
+            run_id = run_ids[rank - rank % every]
         run_dir, metrics_path, first_step, state = open_run(cfg, engine)
         if state is not None:  # resuming: the worker takes up the checkpoint's data position and weights
             if sender is not None:
-                sender.queue.put(("resume", (first_step - 1) * world, state["draws"]))
+                sender.queue.put(("resume", (first_step - 1) * len(served), state["draws"]))
             sync_weights(sender, engine, first_step - 1, cfg, check_worker)
         bar = tqdm(range(first_step, cfg.steps + 1), desc="grpo (vllm)", initial=first_step - 1, total=cfg.steps,
                    disable=rank != 0)

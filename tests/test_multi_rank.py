@@ -118,16 +118,19 @@ def test_the_ref_server_hands_each_run_its_own_groups_and_drops_stale_ones():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainer, stage", [("grpo_train", 2), ("grpo_vllm_one", 3)])
-def test_two_ranks_with_a_ref_server(trainer, stage):
+@pytest.mark.parametrize("trainer, stage, workers", [("grpo_train", 2, 0), ("grpo_vllm_one", 3, 1),
+                                                     ("grpo_vllm_one", 2, 2)])
+def test_two_ranks_with_a_ref_server(trainer, stage, workers):
     """deepspeed --num_gpus 2: grpo_train's ranks each sample their own problems and take their own
     groups back; grpo_vllm_one's one vLLM worker (on rank 0) makes a batch for each rank, which the
-    server routes by run_id, and under ZeRO-3 both ranks gather the weights for each sync. Every
-    group comes back, rank 0 logs, the checkpoint is whole, and no process is left behind."""
+    server routes by run_id, and under ZeRO-3 both ranks gather the weights for each sync; with
+    --gen_every 1 two workers (one per rank, as on two nodes) feed the one server. Every group comes
+    back, rank 0 logs, the checkpoint is whole, and no process is left behind."""
     import psutil
     import requests
     import time
-    port, run = free_port(), f"test_two_ranks_{trainer}"
+    port, run = free_port(), f"test_two_ranks_{trainer}_{workers}"
+    extra = ["--gen_every", "1"] if workers == 2 else []
     server = subprocess.Popen([sys.executable, "ref_server.py", "--port", str(port)], cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -141,12 +144,13 @@ def test_two_ranks_with_a_ref_server(trainer, stage):
             [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), f"{trainer}.py",
              "--ref_url", f"http://127.0.0.1:{port}", "--steps", "3", "--save_every", "2", "--batch_prompts", "2",
              "--num_generations", "4", "--max_new_tokens", "24", "--zero_stage", str(stage), "--threads", "1",
-             "--run_name", run], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        family = []
+             "--run_name", run, *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        family, spawned = [], set()  # every process of the run; the multiprocessing children (workers)
         deadline = time.time() + 900
         while launcher.poll() is None and time.time() < deadline:
             try:
                 family = list({p.pid: p for p in family + psutil.Process(launcher.pid).children(recursive=True)}.values())
+                spawned |= {p.pid for p in family if "spawn_main" in " ".join(p.cmdline())}
             except psutil.NoSuchProcess:
                 pass
             time.sleep(1)
@@ -162,7 +166,7 @@ def test_two_ranks_with_a_ref_server(trainer, stage):
         assert stats["groups_taken"] >= 2 * 3, stats  # each rank took at least a group a step
         if trainer == "grpo_train":  # (grpo_vllm_one's worker may have made the next batches already)
             assert stats["groups_taken"] == stats["groups_in"], stats
-        assert len(family) >= 2
+        assert len(family) >= 2 and len(spawned) == (workers if trainer == "grpo_vllm_one" else 0), spawned
         _, alive = psutil.wait_procs(family, timeout=30)
         assert not alive, [(p.pid, p.name()) for p in alive]
     finally:
