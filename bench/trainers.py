@@ -10,6 +10,8 @@ JSON line per trainer:
   gen_s_median       median time to sample one step's batch (in the worker for grpo_vllm_one)
   compute_s_median   median forward/backward/optimizer time of one step in the trainer
   peak_rss_mb        peak resident memory of the trainer and its children (the vLLM worker)
+  peak_rss_with_ref_mb  the same with the reference server's added (sampled together)
+  completion_len_mean   mean completion length in tokens
   accuracy_after     greedy test accuracy of the last checkpoint
 The first steps (start-up, first batch) are left out of the medians: --skip.
 """
@@ -39,19 +41,20 @@ def tree_rss(proc):
     return total
 
 
-def run(trainer, steps, skip, env, extra):
+def run(trainer, steps, skip, env, extra, run_name=None):
     port = free_port()
     server = start_ref_server(port, env)
-    run_name = f"bench_{trainer}"
+    run_name = run_name or f"bench_{trainer}"
     try:
         t0 = time.time()
         proc = subprocess.Popen([sys.executable, f"{trainer}.py", "--ref_url", f"http://127.0.0.1:{port}",
                                  "--run_name", run_name, "--steps", str(steps), "--save_every", str(steps), *extra],
                                 cwd=ROOT, env=env)
-        watched, peak = psutil.Process(proc.pid), 0
+        watched, ref, peak, peak_with_ref = psutil.Process(proc.pid), psutil.Process(server.pid), 0, 0
         while proc.poll() is None:
             try:
-                peak = max(peak, tree_rss(watched))
+                rss = tree_rss(watched)
+                peak, peak_with_ref = max(peak, rss), max(peak_with_ref, rss + tree_rss(ref))
             except psutil.NoSuchProcess:
                 pass
             time.sleep(0.2)
@@ -71,7 +74,9 @@ def run(trainer, steps, skip, env, extra):
             "s_per_step": round(statistics.median(r["step_s"] for r in timed), 3),
             "gen_s_median": round(statistics.median(r["gen_s"] for r in timed), 3),
             "compute_s_median": round(statistics.median(r["compute_s"] for r in timed), 3),
-            "peak_rss_mb": round(peak / 2**20), "accuracy_after": after["accuracy"]}
+            "peak_rss_mb": round(peak / 2**20), "peak_rss_with_ref_mb": round(peak_with_ref / 2**20),
+            "completion_len_mean": round(statistics.mean(r["completion_len"] for r in timed), 1),
+            "accuracy_after": after["accuracy"]}
 
 
 def main():
