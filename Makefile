@@ -5,7 +5,7 @@
 # Both create .venv/ and install the requirements on first use (tools/install.sh).
 PY := .venv/bin/python
 
-.PHONY: install demo test test-all data model clean
+.PHONY: install demo test test-all bench-trl data model clean
 
 install:
 	@bash tools/install.sh
@@ -20,6 +20,11 @@ test: install
 
 test-all: install
 	$(PY) -m pytest -q
+
+# TRL's GRPOTrainer against both trainers (README "Performance"); installs TRL, a bench-only dependency.
+bench-trl: install
+	$(PY) -m pip install -q -r requirements-bench.txt
+	$(PY) bench/compare_trl.py --steps 30 --skip 3 --lengths 32,256
 
 # Rebuild the committed tiny world from its seeds (no run needs this).
 data: install

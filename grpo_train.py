@@ -31,7 +31,7 @@ from tqdm import tqdm
 from data import load_problems, make_prompt
 from grpo_math import LOSS_TYPES, completion_mask, group_advantages, grpo_loss, prefill_prompts, sequence_logps
 from checkpoint import barrier, load_checkpoint, remove_partial, save_checkpoint
-from metrics import log_step, plot_curves
+from metrics import finish_run, log_step
 from protocol import post_groups, ref_request, take_group
 from rewards import load_reward_file, parse_reward_spec, reference_answer, score
 from triton_loss import choose_loss_impl
@@ -376,9 +376,7 @@ def main(cfg: Config):
         if step % cfg.save_every == 0 or step == cfg.steps:
             save_checkpoint(engine, tokenizer, run_dir, step, {"data_rng": rng.getstate()})
 
-    if rank == 0:
-        plot_curves(metrics_path, os.path.join(run_dir, "curves.png"))
-    print(f"done: {run_dir}/step_{cfg.steps} ({run_dir}/metrics.jsonl, {run_dir}/curves.png)")
+    finish_run(run_dir, cfg.steps, rank)
 
 
 if __name__ == "__main__":

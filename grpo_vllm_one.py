@@ -44,7 +44,7 @@ from rewards import extract_answer
 from checkpoint import save_checkpoint
 from grpo_train import (Config as TrainConfig, check_options, collate, grpo_update, load_data, make_engine, make_groups,
                         open_run, rollout_stats, score_groups)
-from metrics import log_step, plot_curves
+from metrics import finish_run, log_step
 from protocol import post_groups, ref_request, take_group
 
 
@@ -405,9 +405,7 @@ def main(cfg: Config):
     finally:
         if worker is not None:
             stop_worker(worker, stop)
-    if rank == 0:
-        plot_curves(metrics_path, os.path.join(run_dir, "curves.png"))
-    print(f"done: {run_dir}/step_{step} ({run_dir}/metrics.jsonl, {run_dir}/curves.png)")
+    finish_run(run_dir, step, rank)
 
 
 if __name__ == "__main__":

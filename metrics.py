@@ -1,5 +1,6 @@
 """The run's log: one JSON line per step in runs/NAME/metrics.jsonl, and its curves in curves.png."""
 import json
+import os
 
 from tqdm import tqdm
 
@@ -9,6 +10,14 @@ def log_step(metrics_path, record):
         tqdm.write(f"warning: step {record['step']}: non-finite loss or gradient, update skipped")
     with open(metrics_path, "a") as f:
         f.write(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()}) + "\n")
+
+
+def finish_run(run_dir, last_step, rank):
+    """End of training: rank 0 plots the curves; every rank says where the results are."""
+    metrics_path, curves = os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "curves.png")
+    if rank == 0:
+        plot_curves(metrics_path, curves)
+    print(f"done: {run_dir}/step_{last_step} ({metrics_path}, {curves})")
 
 
 def plot_curves(metrics_path, out_png):

@@ -41,6 +41,20 @@ def tree_rss(proc):
     return total
 
 
+def wait_peak_rss(proc, also=None):
+    """Wait for PROC to exit, sampling memory every 0.2 s; returns its tree's peak RSS in bytes,
+    and the peak of its tree plus ALSO's (another process, sampled at the same moments)."""
+    watched, other, peak, peak_with = psutil.Process(proc.pid), also and psutil.Process(also.pid), 0, 0
+    while proc.poll() is None:
+        try:
+            rss = tree_rss(watched)
+            peak, peak_with = max(peak, rss), max(peak_with, rss + (tree_rss(other) if other else 0))
+        except psutil.NoSuchProcess:
+            pass
+        time.sleep(0.2)
+    return peak, peak_with
+
+
 def run(trainer, steps, skip, env, extra, run_name=None):
     port = free_port()
     server = start_ref_server(port, env)
@@ -50,14 +64,7 @@ def run(trainer, steps, skip, env, extra, run_name=None):
         proc = subprocess.Popen([sys.executable, f"{trainer}.py", "--ref_url", f"http://127.0.0.1:{port}",
                                  "--run_name", run_name, "--steps", str(steps), "--save_every", str(steps), *extra],
                                 cwd=ROOT, env=env)
-        watched, ref, peak, peak_with_ref = psutil.Process(proc.pid), psutil.Process(server.pid), 0, 0
-        while proc.poll() is None:
-            try:
-                rss = tree_rss(watched)
-                peak, peak_with_ref = max(peak, rss), max(peak_with_ref, rss + tree_rss(ref))
-            except psutil.NoSuchProcess:
-                pass
-            time.sleep(0.2)
+        peak, peak_with_ref = wait_peak_rss(proc, also=server)
         if proc.returncode != 0:
             raise SystemExit(f"{trainer}.py failed with exit code {proc.returncode}")
         print(f"{trainer}: {steps} steps in {time.time() - t0:.0f} s with start-up", file=sys.stderr)

@@ -1,0 +1,208 @@
+"""bench/compare_trl.py: TRL's GRPOTrainer against grpo_train.py and grpo_vllm_one.py, same work, on CPU.
+
+    pip install -r requirements-bench.txt   # TRL, for this benchmark only
+    python bench/compare_trl.py [--steps 30] [--skip 3] [--lengths 32,256] \\
+        [--systems trl,grpo_train,grpo_vllm_one] > compare_trl.jsonl
+
+Every system trains the tiny default model (models/tiny-math) on data/toy_math/train.jsonl
+with the same GRPO step: 8 prompts x 8 completions (64 completions, one optimizer step),
+lr 1e-4 (constant, AdamW betas 0.9/0.99, no weight decay, gradient clipping 1.0), k3 KL
+beta 0.04 to the frozen starting model, sampling temperature 0.7 (no top-k/top-p), the
+'grpo' loss with group-scaled advantages, reward = correctness + 0.5 * format (rewards.py),
+seed 0 (--seed). Every completion is exactly L tokens long (EOS is suppressed until then: our
+--min_new_tokens, TRL's generation_kwargs min_new_tokens), so the systems do the same
+amount of sampling and training per step whatever the model would write.
+
+Each system runs in its fastest configuration for this CPU:
+  trl            GRPOTrainer in a fresh process: use_cpu, fp32 (bf16 is 2x slower on CPU),
+                 transformers generate with the KV cache (no vLLM), the reference model in the
+                 same process, 2 torch threads, one micro-batch of 64 per step,
+                 gradient checkpointing off (--trl_gradient_checkpointing; TRL's default is on)
+  grpo_train     its defaults (2 threads), with its reference server (bench/trainers.py)
+  grpo_vllm_one  its defaults (1 trainer thread, 1 vLLM worker thread), with its reference server
+All run with OMP_WAIT_POLICY=PASSIVE (as tools/demo.py): with the default, spinning OpenMP threads
+made TRL's generate ~10x slower whenever anything else ran on the 2 cores. Gradient checkpointing
+costs TRL ~15-40% more CPU time per forward/backward of this model, with no memory it needs to save.
+Differences that stay: our trainers drop groups whose 8 rewards are all equal before the
+reference log-probs and the update (TRL trains on every group; such a group adds only its KL
+term there); grpo_vllm_one samples the next batch while the trainer steps, with weights one
+step old; TRL computes the reference log-probs in its own process, ours in the reference server.
+
+Prints one JSON line per system and length, on stdout (all logs go to stderr):
+  completions_per_s  completions trained per second of the training steps (start-up excluded,
+                     the first --skip steps too): steps * 64 / their total wall time
+  s_per_step         median wall time of one optimizer step (the same steps)
+  peak_rss_mb        peak resident memory of everything the system runs: TRL's process (the
+                     reference model is in it); our trainer, its vLLM worker and its reference
+                     server, sampled together (peak_rss_trainer_mb: without the server)
+  accuracy_after     greedy test accuracy of the final model (tools/demo.evaluate -> evaluate.py)
+  completion_len_mean  mean completion length in tokens (should be L)
+then one line per length with the ratios of our completions_per_s to TRL's.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from bench.trainers import run, wait_peak_rss  # noqa: E402
+from tools.demo import MODEL, evaluate  # noqa: E402
+
+# The shared settings: every system gets exactly these.
+TRAIN = "data/toy_math/train.jsonl"
+PROMPTS, GROUP = 8, 8  # prompts per step, completions per prompt
+LR, BETA, TEMPERATURE = 1e-4, 0.04, 0.7
+REWARD_WEIGHTS = {"correctness": 1.0, "format": 0.5}
+SYSTEMS = ("trl", "grpo_train", "grpo_vllm_one")
+
+
+# ---------------------------------------------------------------------------- TRL (child process)
+def trl_train(completion_len, steps, out_dir, gradient_checkpointing, seed):
+    """Train with TRL's GRPOTrainer; one line per step in OUT_DIR/metrics.jsonl, model in OUT_DIR/final."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from data import SYSTEM_PROMPT, load_jsonl
+    from rewards import reference_answer, score
+
+    torch.set_num_threads(2)
+    os.makedirs(out_dir, exist_ok=True)
+    problems = load_jsonl(TRAIN)
+    dataset = Dataset.from_list([{"prompt": [{"role": "system", "content": SYSTEM_PROMPT},
+                                             {"role": "user", "content": p["question"]}],
+                                  "answer": p["answer"]} for p in problems])
+
+    def correctness_and_format(completions, answer, **kwargs):
+        # conversational prompts: each completion is [{"role": "assistant", "content": text}]
+        return [score(c[0]["content"], reference_answer(a), REWARD_WEIGHTS)["reward"]
+                for c, a in zip(completions, answer)]
+
+    class StepTimer(TrainerCallback):
+        """Wall time between optimizer step ends (the first from the start of training)."""
+
+        def __init__(self, path):
+            self.path, self.last, self.step_s = path, None, None
+            open(path, "w").close()
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.last = time.time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.time()
+            self.step_s, self.last = now - self.last, now
+
+        def on_log(self, args, state, control, logs=None, **kwargs):  # after on_step_end, every step
+            if logs and "completions/mean_length" in logs:
+                record = {"step": state.global_step, "step_s": self.step_s,
+                          "completion_len": logs["completions/mean_length"], "reward_mean": logs.get("reward"),
+                          "kl": logs.get("kl")}
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+
+    config = GRPOConfig(
+        output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, use_vllm=False, seed=seed,
+        model_init_kwargs={"dtype": "float32"},
+        # one optimizer step = one generation batch = 8 prompts x 8 completions, in one micro-batch
+        per_device_train_batch_size=PROMPTS * GROUP, gradient_accumulation_steps=1,
+        num_generations=GROUP, num_iterations=1,
+        max_completion_length=completion_len, generation_kwargs={"min_new_tokens": completion_len},
+        temperature=TEMPERATURE, top_p=1.0, top_k=0,
+        beta=BETA, loss_type="grpo", scale_rewards="group",  # TRL's default loss is dapo; ours is grpo
+        learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, adam_beta2=0.99, max_grad_norm=1.0,
+        gradient_checkpointing=gradient_checkpointing,
+        max_steps=steps, logging_steps=1, save_strategy="no", report_to="none")
+    trainer = GRPOTrainer(model=MODEL, reward_funcs=correctness_and_format, args=config, train_dataset=dataset,
+                          callbacks=[StepTimer(os.path.join(out_dir, "metrics.jsonl"))])
+    trainer.train()
+    trainer.save_model(os.path.join(out_dir, "final"))  # with the tokenizer
+
+
+def run_trl(completion_len, steps, skip, env, gradient_checkpointing, seed):
+    """TRL in a fresh process, its peak RSS sampled like bench/trainers.py's; then evaluated."""
+    out_dir = os.path.join("runs", f"bench_trl_L{completion_len}" + (f"_seed{seed}" if seed else ""))
+    t0 = time.time()
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--trl_child", str(completion_len),
+                             "--steps", str(steps), "--out_dir", out_dir,
+                             "--trl_gradient_checkpointing", gradient_checkpointing, "--seed", str(seed)],
+                            cwd=ROOT, env=env)
+    peak, _ = wait_peak_rss(proc)
+    if proc.returncode != 0:
+        raise SystemExit(f"TRL run (L={completion_len}) failed with exit code {proc.returncode}")
+    print(f"trl: {steps} steps in {time.time() - t0:.0f} s with start-up", file=sys.stderr)
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, out_dir, "metrics.jsonl"))]
+    if len(rows) != steps:
+        raise SystemExit(f"TRL logged {len(rows)} steps, expected {steps}: see {out_dir}/metrics.jsonl")
+    timed = rows[skip:]
+    after = evaluate(os.path.join(out_dir, "final"), env)
+    return {"completions_per_s": round(len(timed) * PROMPTS * GROUP / sum(r["step_s"] for r in timed), 2),
+            "s_per_step": round(statistics.median(r["step_s"] for r in timed), 3),
+            "peak_rss_mb": round(peak / 2**20),
+            "completion_len_mean": round(statistics.mean(r["completion_len"] for r in timed), 1),
+            "accuracy_after": after["accuracy"], "gradient_checkpointing": gradient_checkpointing == "on"}
+
+
+# ---------------------------------------------------------------------------- our trainers
+def run_ours(trainer, completion_len, steps, skip, env, seed):
+    flags = ["--batch_prompts", str(PROMPTS), "--num_generations", str(GROUP), "--lr", str(LR),
+             "--beta", str(BETA), "--temperature", str(TEMPERATURE), "--seed", str(seed),
+             "--max_new_tokens", str(completion_len), "--min_new_tokens", str(completion_len)]
+    if trainer == "grpo_vllm_one":
+        flags += ["--max_model_len", "512"]  # the tiny model's max_position_embeddings
+    result = run(trainer, steps, skip, env, flags, run_name=f"bench_{trainer}_L{completion_len}" + (f"_seed{seed}" if seed else ""))
+    result.pop("trainer")
+    result["peak_rss_trainer_mb"] = result["peak_rss_mb"]
+    result["peak_rss_mb"] = result.pop("peak_rss_with_ref_mb")  # TRL's figure holds its reference model too
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--skip", type=int, default=3, help="first steps left out of the timings")
+    ap.add_argument("--lengths", default="32,256", help="completion lengths in tokens")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--trl_gradient_checkpointing", default="off", choices=["off", "on"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trl_child", type=int, default=0, help=argparse.SUPPRESS)  # internal: run TRL, length L
+    ap.add_argument("--out_dir", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.trl_child:
+        trl_train(args.trl_child, args.steps, args.out_dir, args.trl_gradient_checkpointing == "on", args.seed)
+        return
+    systems, lengths = args.systems.split(","), [int(x) for x in args.lengths.split(",")]
+    for system in systems:
+        if system not in SYSTEMS:
+            raise SystemExit(f"unknown system {system!r}: use {', '.join(SYSTEMS)}")
+    if args.skip >= args.steps:
+        raise SystemExit(f"--skip {args.skip} leaves no timed steps of --steps {args.steps}")
+    # stdout carries only the JSON lines: everything else (our logs, the children's) goes to stderr
+    results_out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    speed = {}
+    for completion_len in lengths:
+        for system in systems:
+            if system == "trl":
+                result = run_trl(completion_len, args.steps, args.skip, env, args.trl_gradient_checkpointing, args.seed)
+            else:
+                result = run_ours(system, completion_len, args.steps, args.skip, env, args.seed)
+            result = {"system": system, "completion_len": completion_len, "seed": args.seed, **result,
+                      "steps": args.steps, "timed_steps": args.steps - args.skip}
+            speed[system, completion_len] = result["completions_per_s"]
+            print(json.dumps(result), file=results_out, flush=True)
+    if "trl" in systems and len(systems) > 1:
+        for completion_len in lengths:
+            ratios = {s: round(speed[s, completion_len] / speed["trl", completion_len], 2)
+                      for s in systems if s != "trl"}
+            print(json.dumps({"completion_len": completion_len, "completions_per_s_vs_trl": ratios}),
+                  file=results_out, flush=True)
+
+
+if __name__ == "__main__":
+    main()
