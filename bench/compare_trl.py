@@ -49,7 +49,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench.trainers import run, wait_peak_rss  # noqa: E402
+from bench.trainers import build_deepspeed_ops, run, wait_peak_rss  # noqa: E402
 from tools.demo import MODEL, evaluate  # noqa: E402
 
 # The shared settings: every system gets exactly these.
@@ -185,6 +185,8 @@ def main():
     results_out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    if set(systems) - {"trl"}:
+        build_deepspeed_ops(env)
     speed = {}
     for completion_len in lengths:
         for system in systems:

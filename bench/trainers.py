@@ -55,6 +55,17 @@ def wait_peak_rss(proc, also=None):
     return peak, peak_with
 
 
+def build_deepspeed_ops(env):
+    """Compile DeepSpeed's CPU comm op now, where grpo_train.py keeps it (.cache/torch_extensions).
+    Its first use builds it (about a minute, and a C++ compiler of ~2.7 GB that a fresh checkout's
+    first measured run would otherwise count as its own memory). Nothing to build on CUDA."""
+    code = ("import deepspeed; from deepspeed.comm.torch import build_shm_op; "
+            "print('DeepSpeed comm op:', 'ready' if build_shm_op() else 'none for this accelerator')")
+    extensions = os.path.join(ROOT, ".cache", "torch_extensions")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={"TORCH_EXTENSIONS_DIR": extensions, **env},
+                   stdout=sys.stderr, check=True)
+
+
 def run(trainer, steps, skip, env, extra, run_name=None):
     port = free_port()
     server = start_ref_server(port, env)
@@ -94,9 +105,12 @@ def main():
     ap.add_argument("extra", nargs="*", help="flags for both trainers, after --")
     args = ap.parse_args()
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    for trainer in args.trainers.split(","):
+    trainers = args.trainers.split(",")
+    for trainer in trainers:
         if trainer not in ("grpo_train", "grpo_vllm_one"):
             raise SystemExit(f"unknown trainer {trainer!r}: grpo_train or grpo_vllm_one")
+    build_deepspeed_ops(env)
+    for trainer in trainers:
         print(json.dumps(run(trainer, args.steps, args.skip, env, args.extra)), flush=True)
 
 
