@@ -1,4 +1,6 @@
-"""Checkpoints a kill cannot corrupt, and resuming from them (both trainers).
+"""A run's directory, checkpoints a kill cannot corrupt, and resuming from them (both trainers).
+
+runs/NAME/ holds config.json, metrics.jsonl and the checkpoints (open_run starts or resumes it).
 
 runs/NAME/step_N/ holds the policy in HF format (load it with from_pretrained, evaluate it,
 serve it) and, in deepspeed/, what a resumed run needs: optimizer and scheduler states, the
@@ -8,10 +10,12 @@ either the whole checkpoint or a .tmp/ that --resume ignores and removes. Only t
 checkpoint keeps its deepspeed/ state (the optimizer's moments are twice the model's size).
 """
 import contextlib
+import json
 import os
 import random
 import re
 import shutil
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -93,3 +97,36 @@ def remove_partial(run_dir):
         if re.fullmatch(r"step_\d+\.tmp", d):
             print(f"{run_dir}: removing {d}/, a checkpoint whose save was interrupted")
             shutil.rmtree(os.path.join(run_dir, d))
+
+
+def open_run(cfg, engine):
+    """runs/RUN_NAME/ with this config and its metrics.jsonl: a new run starts both afresh; with
+    --resume, the latest checkpoint is loaded into the engine and the metrics are kept up to
+    its step. Returns (run_dir, metrics_path, first step to run, the trainer state saved)."""
+    run_dir = os.path.join("runs", cfg.run_name)
+    os.makedirs(run_dir, exist_ok=True)
+    metrics_path, first_step, state = os.path.join(run_dir, "metrics.jsonl"), 1, None
+    rank0 = engine.global_rank == 0  # several ranks share run_dir: rank 0 alone changes it
+    if rank0:
+        remove_partial(run_dir)
+    barrier()
+    if cfg.resume:
+        done, state = load_checkpoint(engine, run_dir)
+        first_step = done + 1
+        with open(metrics_path) as f:  # steps after the checkpoint are run again (and a line cut short by a kill)
+            rows = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= done]
+        print(f"{run_dir}: resuming after step {done}")
+    else:
+        stale = [d for d in os.listdir(run_dir) if d.startswith("step_")] if rank0 else []
+        if stale:  # checkpoints of an earlier run under this name would mix with this one's
+            print(f"{run_dir}: removing {len(stale)} checkpoints of an earlier run ({', '.join(sorted(stale))})")
+            for d in stale:
+                shutil.rmtree(os.path.join(run_dir, d))
+        rows = []
+    if rank0:
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(asdict(cfg), f, indent=1)
+        with open(metrics_path, "w") as f:
+            f.writelines(rows)
+    barrier()
+    return run_dir, metrics_path, first_step, state

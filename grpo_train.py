@@ -15,14 +15,12 @@ Every step, in order:
 It writes one JSON line per step to runs/NAME/metrics.jsonl, checkpoints to runs/NAME/step_N/
 (HF format, plus the state --resume continues from), and the curves to runs/NAME/curves.png.
 """
-import json
 import math
 import os
 import random
-import shutil
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -30,7 +28,7 @@ from tqdm import tqdm
 
 from data import load_problems, make_prompt
 from grpo_math import LOSS_TYPES, completion_mask, group_advantages, grpo_loss, prefill_prompts, sequence_logps
-from checkpoint import barrier, load_checkpoint, remove_partial, save_checkpoint
+from checkpoint import open_run, save_checkpoint
 from metrics import finish_run, log_step
 from protocol import post_groups, ref_request, take_group
 from rewards import load_reward_file, parse_reward_spec, reference_answer, score
@@ -226,39 +224,6 @@ def make_engine(cfg):
                                                            "weight_decay": 0.0, "torch_adam": True}}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     return engine, tokenizer
-
-
-def open_run(cfg, engine):
-    """runs/RUN_NAME/ with this config and its metrics.jsonl: a new run starts both afresh; with
-    --resume, the latest checkpoint is loaded into the engine and the metrics are kept up to
-    its step. Returns (run_dir, metrics_path, first step to run, the trainer state saved)."""
-    run_dir = os.path.join("runs", cfg.run_name)
-    os.makedirs(run_dir, exist_ok=True)
-    metrics_path, first_step, state = os.path.join(run_dir, "metrics.jsonl"), 1, None
-    rank0 = engine.global_rank == 0  # several ranks share run_dir: rank 0 alone changes it
-    if rank0:
-        remove_partial(run_dir)
-    barrier()
-    if cfg.resume:
-        done, state = load_checkpoint(engine, run_dir)
-        first_step = done + 1
-        with open(metrics_path) as f:  # steps after the checkpoint are run again (and a line cut short by a kill)
-            rows = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= done]
-        print(f"{run_dir}: resuming after step {done}")
-    else:
-        stale = [d for d in os.listdir(run_dir) if d.startswith("step_")] if rank0 else []
-        if stale:  # checkpoints of an earlier run under this name would mix with this one's
-            print(f"{run_dir}: removing {len(stale)} checkpoints of an earlier run ({', '.join(sorted(stale))})")
-            for d in stale:
-                shutil.rmtree(os.path.join(run_dir, d))
-        rows = []
-    if rank0:
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump(asdict(cfg), f, indent=1)
-        with open(metrics_path, "w") as f:
-            f.writelines(rows)
-    barrier()
-    return run_dir, metrics_path, first_step, state
 
 
 def grpo_update(engine, batch, cfg, eos_token_id, weight=1.0):

@@ -41,9 +41,9 @@ from tqdm import tqdm
 from data import make_prompt
 from grpo_math import completion_mask
 from rewards import extract_answer
-from checkpoint import save_checkpoint
+from checkpoint import open_run, save_checkpoint
 from grpo_train import (Config as TrainConfig, check_options, collate, grpo_update, load_data, make_engine, make_groups,
-                        open_run, rollout_stats, score_groups)
+                        rollout_stats, score_groups)
 from metrics import finish_run, log_step
 from protocol import post_groups, ref_request, take_group
 
