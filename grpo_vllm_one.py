@@ -287,6 +287,17 @@ def take_local_group(groups_queue, check_alive, timeout):
     raise SystemExit(f"no group from the generation worker in {timeout:.0f} s")
 
 
+def local_world_size(default):
+    """Trainer ranks on this node, as the launcher says: LOCAL_SIZE (deepspeed) or LOCAL_WORLD_SIZE
+    (torchrun). vLLM on CPU sets LOCAL_WORLD_SIZE in its own process (to its tensor-parallel size),
+    and a process started from there inherits it: it counts only under torchrun."""
+    if "LOCAL_SIZE" in os.environ:
+        return int(os.environ["LOCAL_SIZE"])
+    if "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    return default
+
+
 def start_worker(cfg, run_id, ranks):
     """Spawn a generation worker for the trainer ranks `ranks` on its own device(s) (CUDA) or its
     own cores (CPU)."""
@@ -296,7 +307,7 @@ def start_worker(cfg, run_id, ranks):
     if torch.cuda.is_available():
         # this node's trainer ranks use devices 0..local_size-1; vLLM takes the next gen_tp (one
         # worker per node), or shares device 0 (within gen_memory of it) on a one-GPU machine
-        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+        local_size = local_world_size(1)
         first = cfg.gen_device if cfg.gen_device >= 0 else (local_size if local_size < torch.cuda.device_count() else 0)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(cfg.gen_tp))
     else:
@@ -338,7 +349,7 @@ def main(cfg: Config):
         ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent
     run_id = uuid.uuid4().hex  # tells this run's groups from any another run left in the server
     # one worker per gen_every ranks (default: per node, on its local rank 0) serves those ranks
-    every = cfg.gen_every or int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
+    every = cfg.gen_every or local_world_size(world)
     served = list(range(rank, min(rank + every, world)))
     if cfg.regroup and every < world:
         raise SystemExit("--regroup takes one generation worker: set --gen_every to the number of ranks")

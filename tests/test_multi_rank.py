@@ -144,7 +144,10 @@ def test_two_ranks_with_a_ref_server(trainer, stage, workers):
             [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), f"{trainer}.py",
              "--ref_url", f"http://127.0.0.1:{port}", "--steps", "3", "--save_every", "2", "--batch_prompts", "2",
              "--num_generations", "4", "--max_new_tokens", "24", "--zero_stage", str(stage), "--threads", "1",
-             "--run_name", run, *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             "--run_name", run, *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            # as vLLM on CPU leaves it in a process that ran an engine (earlier tests here did): under the
+            # deepspeed launcher it must not count, or each rank would start a worker of its own
+            env=dict(os.environ, LOCAL_WORLD_SIZE="1"))
         family, spawned = [], set()  # every process of the run; the multiprocessing children (workers)
         deadline = time.time() + 900
         while launcher.poll() is None and time.time() < deadline:
