@@ -195,13 +195,11 @@ def grad_norm(engine):
 
 def setup_distributed():
     """Let plain `python grpo_train.py` run as a one-process DeepSpeed job."""
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+    # MASTER_PORT 0: the one rank's store takes whatever port the OS gives it when it listens (a
+    # port picked free beforehand could be taken by then: it was, once, by a vLLM worker starting)
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "0"}.items():
         os.environ.setdefault(key, value)
-    if "MASTER_PORT" not in os.environ:
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     # keep DeepSpeed's compiled ops between runs (the first build takes about a minute)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                                ".cache", "torch_extensions"))
