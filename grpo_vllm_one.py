@@ -252,7 +252,7 @@ def rank_run_id(run_id, rank, world, regroup):
 
 def sync_weights(sender, engine, version, cfg, check_alive):
     """Every rank calls it: under ZeRO-3 every rank takes part in gathering the weights whole;
-    rank 0, which runs the worker, sends them."""
+    each rank that runs a worker (sender not None) sends them to it."""
     if sender is not None:
         sender.send(engine.module, version, cfg.zero_stage, check_alive)
     elif cfg.zero_stage == 3:
@@ -338,8 +338,9 @@ def main(cfg: Config):
     if cfg.max_policy_lag < cfg.sync_every - 1:
         raise SystemExit(f"max_policy_lag={cfg.max_policy_lag} < sync_every-1={cfg.sync_every - 1}: the worker would "
                          f"wait for weights the trainer cannot make without its batches")
-    # several ranks (deepspeed --num_gpus N): rank 0 runs the one generation worker, which makes
-    # N batches per step; the ref server hands batch b to rank b % N; DeepSpeed averages the gradients
+    # several ranks (deepspeed --num_gpus N): each node's local rank 0 (or every gen_every-th rank)
+    # runs a generation worker that makes a batch per rank it serves, tagged with that rank's run_id;
+    # the ref server hands each rank its own; DeepSpeed averages the gradients
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not uses_ref_server(cfg):
         raise SystemExit("several ranks take their batches from the ref server: use --beta > 0 (or one rank)")
