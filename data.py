@@ -141,3 +141,23 @@ def make_prompt(tokenizer, question, prompt_format="chat"):
     if prompt_format == "raw":
         return f"{SYSTEM_PROMPT}\nUser: {question}\nAssistant:"
     raise ValueError(f"unknown prompt_format {prompt_format!r}; use 'chat' or 'raw'")
+
+
+def stop_token_ids(tokenizer, prompt_format="chat"):
+    """The token ids that end a completion: the tokenizer's EOS, and under a chat template the
+    special token the template writes after an assistant turn (<|im_end|> for ChatML, <|eot_id|>
+    for Llama 3). A base model's EOS (Qwen2.5's <|endoftext|>) is not its chat template's turn
+    end: without both, a base model that closes its turn goes on writing, and the tokens after
+    the turn end are trained as if they were part of the answer."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if prompt_format == "chat" and tokenizer.chat_template:
+        marker = "\u2063answer\u2063"  # text no template writes itself
+        turn = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}],
+                                             tokenize=False)
+        after = tokenizer(turn.split(marker, 1)[1], add_special_tokens=False)["input_ids"]
+        if after and after[0] in tokenizer.all_special_ids and after[0] not in ids:
+            ids.append(after[0])
+    if not ids:
+        raise ValueError("the tokenizer has no EOS token and its chat template no turn-end token: "
+                         "completions would never end")
+    return ids
