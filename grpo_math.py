@@ -91,6 +91,14 @@ def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, temperature=1
     if B % Q:
         raise ValueError(f"{B} completions for {Q} prompts: expected the same number per prompt")
     G = B // Q
+    module = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
+    if module.training and getattr(module, "is_gradient_checkpointing", False):
+        # checkpointed layers keep no KV cache while training: one forward over prompt + completion
+        ids = torch.cat([prompt_ids.repeat_interleave(G, dim=0), completion_ids], dim=1)
+        mask = torch.cat([prompt_mask.repeat_interleave(G, dim=0), torch.ones_like(completion_ids)], dim=1)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                       use_cache=False, logits_to_keep=C + 1).logits[:, :-1]  # position P-1+t predicts token t
+        return log_probs_of(logits, completion_ids, temperature, impl)
     # 1. the prompts, once each; the last prompt logit predicts the first completion token
     out = prefill_prompts(model, prompt_ids, prompt_mask, G)
     logits = [out.logits.repeat_interleave(G, dim=0)]
@@ -100,10 +108,16 @@ def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, temperature=1
         positions = prompt_mask.sum(1).repeat_interleave(G)[:, None] + torch.arange(C - 1, device=mask.device)
         logits.append(model(input_ids=completion_ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions,
                             past_key_values=out.past_key_values, use_cache=True).logits)
-    if impl == "triton":  # one fused kernel per pass (triton_loss/), the same numbers
+    return log_probs_of(torch.cat(logits, dim=1), completion_ids, temperature, impl)
+
+
+def log_probs_of(logits, token_ids, temperature, impl="torch"):
+    """log softmax(logits / T)[token_ids] by the torch path or, with impl "triton", one fused
+    kernel per pass (triton_loss/): the same numbers."""
+    if impl == "triton":
         from triton_loss import selective_log_softmax_triton
-        return selective_log_softmax_triton(torch.cat(logits, dim=1), completion_ids, temperature)
-    return selective_log_softmax(torch.cat(logits, dim=1), completion_ids, temperature)
+        return selective_log_softmax_triton(logits, token_ids, temperature)
+    return selective_log_softmax(logits, token_ids, temperature)
 
 
 def completion_mask(completion_ids, stop_ids, mask_truncated=False):
@@ -204,16 +218,28 @@ def aggregate(per_token, mask, loss_type="grpo", max_completion_length=None):
     raise ValueError(f"unknown loss_type {loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
 
 
+def truncated_is_weight(old_logps, sampler_logps, cap):
+    """Truncated importance sampling (TIS; verl's tis_imp_ratio_cap, TRL's
+    vllm_importance_sampling_correction): a fast sampler (vLLM, bf16 kernels) does not compute the
+    trainer's numbers exactly, so the tokens were drawn from pi_sampler, not pi_old. Each token's
+    policy-gradient term is weighted by min(pi_old / pi_sampler, cap), detached: the mismatch is
+    corrected where it is small and bounded where it is large, and it never reaches the PPO clip,
+    which sees pi / pi_old alone."""
+    return torch.exp(old_logps - sampler_logps).clamp(max=cap).detach()
+
+
 def grpo_loss(logps, old_logps, ref_logps, advantages, completion_mask, *, beta=0.04, epsilon=0.2,
               epsilon_high=None, loss_type="grpo", importance_sampling_level="token", kl_estimator="k3",
-              max_completion_length=None, impl="torch"):
+              max_completion_length=None, impl="torch", sampler_logps=None, tis_cap=2.0):
     """The GRPO loss and its diagnostics. Shapes: (B, C) except advantages (B,).
 
     Argument names follow TRL's GRPOConfig. old_logps are the log-probs under the policy
     that sampled the tokens (logps.detach() when that policy is the current one: ratio 1,
     gradient -A * grad logp). ref_logps may be None when beta == 0. impl="triton" computes the
     per-token loss in one fused kernel (triton_loss/) with the same numbers; the kernel has the
-    clipped token-level loss with k3, and the other options take the torch path."""
+    clipped token-level loss with k3, and the other options take the torch path. sampler_logps:
+    the log-probs the sampler reported, when another engine sampled (vLLM); then each token's
+    policy-gradient term is weighted by truncated_is_weight(old_logps, sampler_logps, tis_cap)."""
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     mask = completion_mask
     options = {"loss_type": loss_type, "importance_sampling_level": importance_sampling_level,
@@ -225,6 +251,9 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, completion_mask, *, beta=
     else:
         per_token, ratio, kl = per_token_loss(logps, old_logps, ref_logps, advantages, beta, epsilon,
                                               epsilon_high, mask=mask, **options)
+    if sampler_logps is not None:
+        is_weight = truncated_is_weight(old_logps, sampler_logps, tis_cap)
+        per_token = is_weight * (per_token - beta * kl) + beta * kl  # the KL term is the trainer's own
     loss = aggregate(per_token, mask, loss_type, max_completion_length)
 
     with torch.no_grad():
@@ -234,4 +263,10 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, completion_mask, *, beta=
         stats = {"kl": ((kl * mask).sum() / n).item(),
                  "clip_fraction": ((was_clipped.float() * mask).sum() / n).item(),
                  "ratio_mean": ((ratio * mask).sum() / n).item()}
+        if sampler_logps is not None:  # how far the sampler's numbers are from the trainer's (policy lag included)
+            gap, on = (old_logps - sampler_logps).abs(), mask.bool()
+            stats.update(sampler_gap_mean=((gap * mask).sum() / n).item(),
+                         sampler_gap_max=gap[on].max().item() if on.any() else 0.0,
+                         is_weight_mean=((is_weight * mask).sum() / n).item(),
+                         is_truncated_frac=(((is_weight >= tis_cap).float() * mask).sum() / n).item())
     return loss, stats

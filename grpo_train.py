@@ -26,9 +26,10 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-from data import load_problems, make_prompt
+from data import load_problems, make_prompt, stop_token_ids
 from grpo_math import LOSS_TYPES, completion_mask, group_advantages, grpo_loss, prefill_prompts, sequence_logps
 from checkpoint import open_run, save_checkpoint
+from ds_config import deepspeed_config, uses_bf16, zero_stage
 from metrics import finish_run, log_step
 from protocol import post_groups, ref_request, take_group
 from rewards import load_reward_file, parse_reward_spec, reference_answer, score
@@ -56,7 +57,9 @@ class Config:
     # sampling temperature; log-probs use the same one. On the tiny model 0.7 beat 1.0 and 0.5
     # (dev greedy accuracy after 150 steps: 0.434 vs 0.406; after 300: 0.48 vs 0.406 for 0.5)
     temperature: float = 0.7
-    lr: float = 1e-4  # tiny model: 2e-4 learned slower and 5e-4 collapsed (KL > 1)
+    # Adam's first steps move every weight by about lr, whatever the gradient: 1e-4 took SmolLM2-135M's
+    # KL to the reference to 239 in one step. 1e-6 is TRL's default; the tiny model's demo uses 1e-4
+    lr: float = 1e-6
     beta: float = 0.04  # weight of the KL penalty to the reference model; 0: no reference server
     kl_estimator: str = "k3"  # k1, k2 or k3 (grpo_math.kl_estimate)
     num_iterations: int = 1  # optimizer steps per batch of rollouts (TRL's num_iterations, PPO's epochs)
@@ -73,6 +76,12 @@ class Config:
     reward_file: str = ""  # a .py file whose @reward_function-decorated functions add rewards
     save_every: int = 100  # steps between checkpoints (and one at the end)
     zero_stage: int = 0  # DeepSpeed ZeRO stage (0-3)
+    dtype: str = "float32"  # float32, or bfloat16 (bf16 weights and activations, fp32 master weights and Adam)
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
+    offload_optimizer: bool = False  # ZeRO-1/2/3: optimizer state and fp32 master weights in host RAM
+    deepspeed: str = ""  # a whole DeepSpeed config (JSON); its values win over these flags, "auto" takes the flag's
+    plan: bool = False  # print the memory plan (memory_plan.py) and exit
+    plan_gpu_gb: float = 0.0  # the GPU size to plan for (0: this machine's GPU)
     threads: int = 2  # CPU threads for torch
     ref_token: str = ""  # the ref server's shared token, if it has one (default: $SIMPLE_GRPO_TOKEN)
     ref_timeout: float = 120.0  # seconds to wait for a finished group (or for room in a full queue)
@@ -95,6 +104,12 @@ def check_options(cfg):
             raise SystemExit(f"unknown --{flag} {getattr(cfg, flag)!r}: use one of {', '.join(allowed)}")
     if cfg.reward_file:
         load_reward_file(cfg.reward_file)
+    # the DeepSpeed config, once: a --deepspeed file can change the stage, dtype and lr the rest reads
+    cfg.ds_config, notes = deepspeed_config(cfg, type(cfg)())
+    for note in notes:
+        print(note)
+    cfg.zero_stage, cfg.dtype = zero_stage(cfg.ds_config), "bfloat16" if uses_bf16(cfg.ds_config) else "float32"
+    cfg.lr = cfg.ds_config.get("optimizer", {}).get("params", {}).get("lr", cfg.lr)
     return parse_reward_spec(cfg.reward_funcs, cfg.reward_weights)
 
 
@@ -104,9 +119,9 @@ def load_data(cfg):
 
 
 # ---------------------------------------------------------------------------- rollouts
-def generate(model, tokenizer, prompts, cfg, synced_gpus=False):
-    """Sample G completions per prompt. Returns prompt_ids (Q, P) left-padded with its mask,
-    and completion_ids (Q*G, C) right-padded with pad, group after group."""
+def generate(model, tokenizer, prompts, cfg, stop_ids, synced_gpus=False):
+    """Sample G completions per prompt, each ending at the first of stop_ids. Returns prompt_ids
+    (Q, P) left-padded with its mask, and completion_ids (Q*G, C) right-padded with pad, group after group."""
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left",
                     add_special_tokens=False).to(model.device)
     ids, mask, G = enc["input_ids"], enc["attention_mask"], cfg.num_generations
@@ -118,7 +133,7 @@ def generate(model, tokenizer, prompts, cfg, synced_gpus=False):
         out = model.generate(input_ids=ids.repeat_interleave(G, 0), attention_mask=mask.repeat_interleave(G, 0),
                              past_key_values=cache, do_sample=True, temperature=cfg.temperature, top_k=0,
                              top_p=1.0, max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
                              synced_gpus=synced_gpus)
     model.train()
     return ids, mask, out[:, ids.size(1):]
@@ -206,6 +221,22 @@ def setup_distributed():
 
 
 # ---------------------------------------------------------------------------- training
+def show_plan(cfg):
+    """The memory plan (memory_plan.py) from the model's config, before any weight is loaded.
+    --plan prints it and stops; on a GPU, a run that cannot fit stops here with the plan."""
+    if not (cfg.plan or torch.cuda.is_available()):
+        return
+    from memory_plan import format_plan, plan_json, plan_memory
+    plan = plan_memory(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    print(format_plan(plan))
+    if cfg.plan:
+        print(plan_json(plan))
+        raise SystemExit(0)
+    if not plan["fits"]:
+        raise SystemExit("this run does not fit (memory plan above): change what it says, or check the plan "
+                         "for another GPU size with --plan --plan_gpu_gb N")
+
+
 def make_engine(cfg):
     """The policy as a DeepSpeed engine, and its tokenizer (seeds set first)."""
     setup_distributed()
@@ -215,32 +246,35 @@ def make_engine(cfg):
     torch.set_num_threads(cfg.threads)
     random.seed(cfg.seed), torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
-    ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-                 "gradient_clipping": 1.0, "zero_optimization": {"stage": cfg.zero_stage},
-                 "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "betas": [0.9, 0.99],
-                                                           "weight_decay": 0.0, "torch_adam": True}}}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, cfg.dtype))
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg.ds_config)
     return engine, tokenizer
 
 
-def grpo_update(engine, batch, cfg, eos_token_id, weight=1.0):
+def grpo_update(engine, batch, cfg, stop_ids, weight=1.0):
     """The GRPO update on one collated batch; returns the loss's diagnostics.
 
-    old_logps are the sampler's log-probs when it reported them (an asynchronous sampler
-    runs an older policy), else the current policy's own: ratio 1 on the first iteration.
+    old_logps are the current policy's own log-probs (ratio 1 on the first iteration). When
+    another engine sampled (vLLM, batch["old_logps"]: its own log-probs, of an older policy in
+    another precision), its numbers weight each token by truncated importance sampling (cfg.tis_cap;
+    grpo_math.truncated_is_weight), or, with tis_cap 0, stand in for the old policy's in the ratio.
     num_iterations > 1 takes several steps on the same rollouts (PPO's epochs): from the
     second on, the ratio moves off 1 and the clip bounds the update. With micro_batch_groups,
     forward and backward go a few groups at a time and the gradients add up to the whole
     batch's (each part's loss weighted by its share), for one optimizer step. weight 0: take part
     in the step's collectives (several ranks) with no gradient of one's own."""
     batch = {k: v.to(engine.device) for k, v in batch.items()}
-    mask = completion_mask(batch["completion_ids"], eos_token_id, cfg.mask_truncated_completions)
+    mask = completion_mask(batch["completion_ids"], stop_ids, cfg.mask_truncated_completions)
     Q = batch["prompt_ids"].size(0)
     G, per_part = batch["completion_ids"].size(0) // Q, cfg.micro_batch_groups or Q
     parts = [(q, min(q + per_part, Q)) for q in range(0, Q, per_part)]
     token_mean = cfg.loss_type in ("bnpo", "dapo", "cispo")  # the others average over sequences first
-    old_logps, skipped, norm = batch.get("old_logps"), 0, None
+    old_logps, sampler_logps, skipped, norm = batch.get("old_logps"), None, 0, None
+    tis_cap = getattr(cfg, "tis_cap", 0.0)  # grpo_vllm_one's option: only it has a sampler of its own
+    if old_logps is not None and tis_cap > 0:
+        old_logps, sampler_logps = None, old_logps
     for _ in range(cfg.num_iterations):
         loss, stats, new_logps = 0.0, {}, []
         for i, (q0, q1) in enumerate(parts):
@@ -253,13 +287,15 @@ def grpo_update(engine, batch, cfg, eos_token_id, weight=1.0):
                 logps, logps.detach() if old_logps is None else old_logps[rows], ref, batch["advantages"][rows],
                 mask[rows], beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
                 loss_type=cfg.loss_type, importance_sampling_level=cfg.importance_sampling_level,
-                kl_estimator=cfg.kl_estimator, max_completion_length=cfg.max_new_tokens, impl=cfg.loss_impl)
+                kl_estimator=cfg.kl_estimator, max_completion_length=cfg.max_new_tokens, impl=cfg.loss_impl,
+                sampler_logps=None if sampler_logps is None else sampler_logps[rows], tis_cap=tis_cap)
             share = weight * ((mask[rows].sum() / mask.sum().clamp(min=1)).item() if token_mean else (q1 - q0) / Q)
             engine.set_gradient_accumulation_boundary(i == len(parts) - 1)  # one optimizer step after the last
             engine.backward(part_loss * share)
             loss += part_loss.item() * share
             tokens = (mask[rows].sum() / mask.sum().clamp(min=1)).item()  # the diagnostics are token means
-            stats = {k: stats.get(k, 0.0) + v * tokens for k, v in part_stats.items()}
+            stats = {k: max(stats.get(k, v), v) if k.endswith("_max") else stats.get(k, 0.0) + v * tokens
+                     for k, v in part_stats.items()}
         old_logps = torch.cat(new_logps) if old_logps is None else old_logps
         # one NaN or inf in an update would reach every weight through Adam's moments: skip it.
         # ZeRO 0 leaves the gradients whole on the parameters, where we check them; ZeRO 1-3
@@ -281,6 +317,7 @@ def grpo_update(engine, batch, cfg, eos_token_id, weight=1.0):
 
 def main(cfg: Config):
     weights, problems = check_options(cfg), load_data(cfg)
+    show_plan(cfg)
     if cfg.beta != 0:
         ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent
     engine, tokenizer = make_engine(cfg)
@@ -291,6 +328,7 @@ def main(cfg: Config):
     if state is not None:
         rng.setstate(state["data_rng"])
     run_id, G = uuid.uuid4().hex, cfg.num_generations  # run_id tells this rank's groups from others'
+    stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)  # EOS, and the chat template's turn end
     # several ranks (deepspeed --num_gpus N, torchrun): each takes its share of the step's problems
     # and samples with its own seed; DeepSpeed averages their gradients into one step
     synced = cfg.zero_stage == 3 and world > 1  # ZeRO-3 gathers weights in every forward: all ranks run as many
@@ -302,8 +340,8 @@ def main(cfg: Config):
         # 1. rollouts from the current policy
         batch_problems = rng.sample(problems, B * world)[rank * B:(rank + 1) * B]
         prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format) for p in batch_problems]
-        prompt_ids, prompt_mask, completion_ids = generate(engine.module, tokenizer, prompts, cfg, synced)
-        mask = completion_mask(completion_ids, tokenizer.eos_token_id)
+        prompt_ids, prompt_mask, completion_ids = generate(engine.module, tokenizer, prompts, cfg, stop_ids, synced)
+        mask = completion_mask(completion_ids, stop_ids)
         texts = tokenizer.batch_decode(completion_ids * mask.long() + tokenizer.pad_token_id * (1 - mask.long()),
                                        skip_special_tokens=True)
         gen_s = time.time() - t0
@@ -326,7 +364,7 @@ def main(cfg: Config):
             finished = get_ref_logps(cfg, groups, run_id) if cfg.beta != 0 else [t for t, _ in groups]
             batch = collate(finished, tokenizer.pad_token_id)
             t2 = time.time()
-            stats = grpo_update(engine, batch, cfg, tokenizer.eos_token_id, weight)
+            stats = grpo_update(engine, batch, cfg, stop_ids, weight)
         ref_s, compute_s = (t2 - t1, time.time() - t2) if groups else (0.0, 0.0)
 
         # log what we measured

@@ -38,12 +38,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
-from data import make_prompt
+from data import make_prompt, stop_token_ids
+from devices import check_shared_memory, collective_device, generation_gpus, physical_gpus, visible_gpus
 from grpo_math import completion_mask
 from rewards import extract_answer
 from checkpoint import open_run, save_checkpoint
 from grpo_train import (Config as TrainConfig, check_options, collate, grpo_update, load_data, make_engine, make_groups,
-                        rollout_stats, score_groups)
+                        rollout_stats, score_groups, show_plan)
 from metrics import finish_run, log_step
 from protocol import post_groups, ref_request, take_group
 
@@ -52,11 +53,16 @@ from protocol import post_groups, ref_request, take_group
 class Config(TrainConfig):
     run_name: str = "vllm_one"
     threads: int = 1  # trainer's CPU threads: the worker has its own core(s) on a CPU machine
-    gen_device: int = -1  # CUDA device for vLLM; -1: the one after this node's trainer ranks' (or 0 if none is left)
+    # vLLM's first GPU, a physical id as nvidia-smi numbers it (devices.generation_gpus); -1: the first GPU
+    # no trainer rank of this node uses (on a one-GPU machine, the trainer's own)
+    gen_device: int = -1
     gen_tp: int = 1  # vLLM tensor-parallel size: the worker takes gen_tp devices from gen_device on
     gen_every: int = 0  # one generation worker per this many trainer ranks (0: one per node)
     gen_threads: int = 1  # CPU machines: cores given to the worker's vLLM (the last ones)
-    gen_memory: float = 0.3  # vLLM's gpu_memory_utilization (on CPU: fraction of RAM it may take)
+    gen_memory: float = 0.0  # vLLM's gpu_memory_utilization; 0: 0.9 on GPUs of its own, 0.3 beside the trainer
+    # truncated importance sampling: each token weighted by min(pi_old / pi_sampler, tis_cap)
+    # (grpo_math.truncated_is_weight); 0: none, vLLM's log-probs are the ratio's old ones
+    tis_cap: float = 2.0
     sync_every: int = 1  # optimizer steps between weight syncs to the worker
     max_policy_lag: int = 1  # the worker waits rather than sample with weights older than this
     max_model_len: int = 512
@@ -73,18 +79,20 @@ def start_vllm(cfg):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
-    return LLM(model=cfg.model, dtype="float32", seed=cfg.seed, enforce_eager=not torch.cuda.is_available(),
+    return LLM(model=cfg.model, dtype=cfg.dtype, seed=cfg.seed, enforce_eager=not torch.cuda.is_available(),
                tensor_parallel_size=cfg.gen_tp,
-               max_model_len=cfg.max_model_len, gpu_memory_utilization=cfg.gen_memory,
+               max_model_len=cfg.max_model_len, gpu_memory_utilization=cfg.gen_memory or 0.3,
                logprobs_mode="processed_logprobs")
 
 
-def sample(llm, prompts, cfg):
-    """G completions per prompt: prompt rows [(P,)], completion_ids (Q*G, C) right-padded
-    with pad, and the sampler's per-token log-probs old_logps (Q*G, C), group after group."""
+def sample(llm, prompts, cfg, stop_ids=()):
+    """G completions per prompt, each ending at its first stop token (or EOS): prompt rows [(P,)],
+    completion_ids (Q*G, C) right-padded with pad, and the sampler's per-token log-probs
+    old_logps (Q*G, C), group after group."""
     from vllm import SamplingParams
     params = SamplingParams(n=cfg.num_generations, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
-                            min_tokens=cfg.min_new_tokens, logprobs=0)  # logprobs=0: just the sampled token's
+                            min_tokens=cfg.min_new_tokens, stop_token_ids=list(stop_ids),
+                            logprobs=0)  # logprobs=0: just the sampled token's
     outputs = llm.generate(prompts, params, use_tqdm=False)
     pad = llm.get_tokenizer().pad_token_id
     completions = [c for out in outputs for c in out.outputs]
@@ -148,6 +156,7 @@ class WeightSender:
             state_dict = module.state_dict()
             if self.buffers is None:  # first sync: allocate, and hand the worker the buffers once
                 self.layout, size = weight_layout(state_dict)
+                check_shared_memory(2 * size)
                 self.buffers = [torch.empty(size, dtype=torch.uint8).share_memory_() for _ in range(2)]
                 self.queue.put(("buffers", self.buffers, self.layout))
             i, self.syncs = self.syncs % 2, self.syncs + 1
@@ -187,6 +196,7 @@ def gen_worker(cfg, run_id, ranks, weights_queue, groups_queue, loaded, stop, pa
     llm = start_vllm(cfg)
     logging.getLogger("vllm").setLevel(logging.ERROR)  # started: its per-reload notes would flood the log
     tokenizer = llm.get_tokenizer()
+    stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)
     weights, problems = check_options(cfg), load_data(cfg)  # this process loads the reward file too
     rng, G = random.Random(cfg.seed + ranks[0]), cfg.num_generations  # each worker its own draws
     # version: trainer steps in the loaded weights (None: resuming, the checkpoint's are on their way);
@@ -217,8 +227,8 @@ def gen_worker(cfg, run_id, ranks, weights_queue, groups_queue, loaded, stop, pa
         t0 = time.time()
         batch_problems, draws = rng.sample(problems, cfg.batch_prompts) + ask_again, draws + 1
         prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format) for p in batch_problems]
-        prompt_rows, completion_ids, old_logps = sample(llm, prompts, cfg)
-        mask = completion_mask(completion_ids, tokenizer.eos_token_id)
+        prompt_rows, completion_ids, old_logps = sample(llm, prompts, cfg, stop_ids)
+        mask = completion_mask(completion_ids, stop_ids)
         texts = tokenizer.batch_decode(completion_ids * mask.long() + tokenizer.pad_token_id * (1 - mask.long()),
                                        skip_special_tokens=True)
         gen_s = time.time() - t0
@@ -265,7 +275,7 @@ def max_over_ranks(value):
     """The largest of the ranks' values, the same on every rank: they stop and save together."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return value
-    t = torch.tensor([float(value)])
+    t = torch.tensor([float(value)], device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
@@ -305,11 +315,15 @@ def start_worker(cfg, run_id, ranks):
     weights_queue, groups_queue, loaded, stop = ctx.Queue(), ctx.Queue(), ctx.Value("i", 0), ctx.Event()
     env = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
     if torch.cuda.is_available():
-        # this node's trainer ranks use devices 0..local_size-1; vLLM takes the next gen_tp (one
-        # worker per node), or shares device 0 (within gen_memory of it) on a one-GPU machine
-        local_size = local_world_size(1)
-        first = cfg.gen_device if cfg.gen_device >= 0 else (local_size if local_size < torch.cuda.device_count() else 0)
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(cfg.gen_tp))
+        # this node's trainer ranks use the first local_size visible GPUs; vLLM takes gen_tp GPUs by
+        # physical id (devices.generation_gpus), numbered in nvidia-smi's (PCI) order
+        physical = physical_gpus()
+        trainer_gpus = visible_gpus(physical)[:local_world_size(1)]
+        gpus, shared_gpu = generation_gpus(cfg.gen_device, cfg.gen_tp, trainer_gpus, physical)
+        cfg = dataclasses.replace(cfg, gen_memory=cfg.gen_memory or (0.3 if shared_gpu else 0.9))
+        env.update(CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)), CUDA_DEVICE_ORDER="PCI_BUS_ID")
+        print(f"generation worker: vLLM on GPU {gpus} (gpu_memory_utilization {cfg.gen_memory}), "
+              f"trainer on GPU {trainer_gpus}")
     else:
         cores = sorted(os.sched_getaffinity(0))
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores[-cfg.gen_threads:]))
@@ -346,6 +360,7 @@ def main(cfg: Config):
         raise SystemExit("several ranks take their batches from the ref server: use --beta > 0 (or one rank)")
     check_options(cfg)  # bad options and data fail here, before any process starts
     load_data(cfg)
+    show_plan(cfg)
     if uses_ref_server(cfg):
         ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent
     run_id = uuid.uuid4().hex  # tells this run's groups from any another run left in the server
@@ -374,6 +389,7 @@ def main(cfg: Config):
             dist.all_gather_object(run_ids, run_id)
             run_id = run_ids[rank - rank % every]
         run_dir, metrics_path, first_step, state = open_run(cfg, engine)
+        stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)
         if state is not None:  # resuming: the worker takes up the checkpoint's data position and weights
             if sender is not None:
                 sender.queue.put(("resume", (first_step - 1) * len(served), state["draws"]))
@@ -394,7 +410,7 @@ def main(cfg: Config):
             generated = max([generated] + [m["stats"]["generated"] for m in metas])
 
             # 2. the GRPO update; old_logps are vLLM's, from the policy version that sampled
-            stats = grpo_update(engine, collate(groups, tokenizer.pad_token_id), cfg, tokenizer.eos_token_id)
+            stats = grpo_update(engine, collate(groups, tokenizer.pad_token_id), cfg, stop_ids)
             compute_s = time.time() - t0 - wait_s
 
             # 3. new weights to the worker, in memory

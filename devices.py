@@ -1,0 +1,77 @@
+"""Which device each process uses, and whether it has room: the generation worker's GPUs, the
+device of collective tensors, shared memory for the weight sync.
+
+GPU ids are physical, as `nvidia-smi` numbers them, whatever CUDA_VISIBLE_DEVICES says: the
+deepspeed launcher hides every GPU but the trainer's (`--include localhost:2` sets
+CUDA_VISIBLE_DEVICES=2), so "GPU 1" inside the trainer would not name the GPU the user meant.
+"""
+import os
+import shutil
+import subprocess
+
+import torch
+import torch.distributed as dist
+
+
+def physical_gpus():
+    """The GPUs on this machine, [0, 1, ...] as nvidia-smi lists them ([] without one)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return list(range(sum(line.startswith("GPU ") for line in out.stdout.splitlines())))
+
+
+def visible_gpus(physical, env=None):
+    """The physical ids this process may use: CUDA_VISIBLE_DEVICES's list, or all of them."""
+    value = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return list(physical)
+    ids = [part.strip() for part in value.split(",") if part.strip()]
+    if not all(part.isdigit() for part in ids):
+        raise SystemExit(f"CUDA_VISIBLE_DEVICES={value!r}: name GPUs by number (as nvidia-smi does) for "
+                         "--gen_device to work out which are free")
+    return [int(part) for part in ids]
+
+
+def generation_gpus(gen_device, gen_tp, trainer_gpus, physical):
+    """The physical GPU ids of a generation worker, and whether it shares them with the trainer.
+
+    gen_device >= 0: gen_tp GPUs from that physical id on. -1: the first gen_tp GPUs that no
+    trainer rank of this node uses, or, where there are not enough (one GPU), the trainer's own:
+    vLLM then takes only its --gen_memory share of it."""
+    if gen_device >= 0:
+        ids = list(range(gen_device, gen_device + gen_tp))
+    else:
+        free = [g for g in physical if g not in trainer_gpus]
+        ids = free[:gen_tp] if len(free) >= gen_tp else list(physical[:gen_tp])
+    missing = [g for g in ids if g not in physical]
+    if missing:
+        listed = f"GPUs {physical[0]}-{physical[-1]}" if physical else "no GPU"
+        raise SystemExit(f"--gen_device {gen_device} --gen_tp {gen_tp} needs GPU(s) {missing}, but nvidia-smi lists "
+                         f"{listed} on this machine. --gen_device takes physical ids as nvidia-smi numbers them "
+                         f"(the trainer uses {trainer_gpus})")
+    return ids, any(g in trainer_gpus for g in ids)
+
+
+def collective_device():
+    """Where a tensor for a collective must live: the process group's own device type. NCCL takes
+    only CUDA tensors (a CPU tensor stops the run), gloo takes CPU ones."""
+    types = [d.type for d in getattr(dist.group.WORLD, "_device_types", [])]
+    if not types:
+        types = ["cuda"] if "nccl" in str(dist.get_backend()) else ["cpu"]
+    if "cpu" in types:
+        return torch.device("cpu")
+    index = torch.cuda.current_device() if torch.cuda.is_available() else int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.device(types[0], index)
+
+
+def check_shared_memory(nbytes, path="/dev/shm"):
+    """Stop with a clear message unless `path` has room for nbytes (the weight sync's two buffers).
+    A container's default /dev/shm is 64 MB; the buffers hold the whole model twice."""
+    free = shutil.disk_usage(path).free
+    if free < nbytes:
+        need_gb = -(-nbytes // 2**30) + 1
+        raise SystemExit(f"the weight sync needs {nbytes / 2**30:.2f} GB of shared memory in {path} (the model's "
+                         f"weights, twice), but {free / 2**30:.2f} GB is free there. In a container, start it with "
+                         f"a larger one (docker run --shm-size={need_gb}g ...), or free space in {path}")

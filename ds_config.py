@@ -1,0 +1,83 @@
+"""The DeepSpeed config of both trainers: built from their flags, or read from --deepspeed FILE.
+
+    python grpo_train.py --dtype bfloat16 --zero_stage 2 --offload_optimizer
+    deepspeed grpo_vllm_one.py --deepspeed my_zero3.json      # a whole DeepSpeed config (HF/TRL style)
+
+A file's values win over the flags, except "auto", which takes the flag's value (the convention
+of transformers' and TRL's DeepSpeed integration). Where a flag was set to something other than
+its default and the file says otherwise, the run says which value it uses.
+
+bfloat16: DeepSpeed keeps bf16 weights, gradients and activations, and fp32 master weights and
+Adam moments. The optimizer is torch's AdamW (no C++ build), also when offloaded to the CPU.
+"""
+import json
+import os
+
+DTYPES = ("float32", "bfloat16")
+
+
+def flag_config(cfg):
+    """The DeepSpeed config the flags ask for."""
+    zero = {"stage": cfg.zero_stage}
+    if cfg.offload_optimizer:  # optimizer state and fp32 master weights live in host RAM
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+            "bf16": {"enabled": cfg.dtype == "bfloat16"}, "zero_optimization": zero,
+            "zero_force_ds_cpu_optimizer": False,  # torch's AdamW on offloaded state: no DeepSpeedCPUAdam build
+            "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "betas": [0.9, 0.99], "weight_decay": 0.0,
+                                                      "torch_adam": True}}}
+
+
+def merge(base, override, path="", notes=None):
+    """base with override's values on top ("auto" keeps base's); notes: (key, base's, override's)
+    for every value the override changes."""
+    notes = [] if notes is None else notes
+    merged = dict(base)
+    for key, value in override.items():
+        where = f"{path}.{key}" if path else key
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            merged[key] = merge(base[key], value, where, notes)[0]
+        elif value != "auto":
+            if key in base and base[key] != value:
+                notes.append((where, base[key], value))
+            merged[key] = value
+    return merged, notes
+
+
+def deepspeed_config(cfg, defaults=None):
+    """The config DeepSpeed gets, and lines that say where a --deepspeed file overrode a flag the
+    user set (defaults: the Config with every flag at its default, to tell set flags from default)."""
+    if cfg.dtype not in DTYPES:
+        raise SystemExit(f"unknown --dtype {cfg.dtype!r}: use one of {', '.join(DTYPES)}")
+    if cfg.offload_optimizer and cfg.zero_stage == 0:
+        raise SystemExit("--offload_optimizer needs ZeRO (--zero_stage 1, 2 or 3): ZeRO-0 has no offload")
+    base = flag_config(cfg)
+    if not cfg.deepspeed:
+        return base, []
+    if not os.path.isfile(cfg.deepspeed):
+        raise SystemExit(f"--deepspeed {cfg.deepspeed}: no such file")
+    try:
+        with open(cfg.deepspeed) as f:
+            override = json.load(f)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--deepspeed {cfg.deepspeed}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    if not isinstance(override, dict):
+        raise SystemExit(f"--deepspeed {cfg.deepspeed}: expected a JSON object, got {type(override).__name__}")
+    if override.get("fp16", {}).get("enabled") is True:
+        raise SystemExit(f"--deepspeed {cfg.deepspeed}: fp16 is not supported (its loss scaling is not wired in); "
+                         "use bf16")
+    merged, notes = merge(base, override)
+    set_by_user = flag_config(defaults) if defaults is not None else base
+    _, user_notes = merge(set_by_user, base)  # the values the flags changed from their defaults
+    changed = {key for key, _, _ in user_notes}
+    lines = [f"--deepspeed {cfg.deepspeed}: {key} = {new!r} from the file, not {old!r} from the flags"
+             for key, old, new in notes if key in changed]
+    return merged, lines
+
+
+def uses_bf16(ds_config):
+    return bool(ds_config.get("bf16", {}).get("enabled"))
+
+
+def zero_stage(ds_config):
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
