@@ -105,11 +105,11 @@ def check_options(cfg):
     if cfg.reward_file:
         load_reward_file(cfg.reward_file)
     # the DeepSpeed config, once: a --deepspeed file can change the stage, dtype and lr the rest reads
-    cfg.ds_config, notes = deepspeed_config(cfg, type(cfg)())
+    ds_config, notes = deepspeed_config(cfg, type(cfg)())
     for note in notes:
         print(note)
-    cfg.zero_stage, cfg.dtype = zero_stage(cfg.ds_config), "bfloat16" if uses_bf16(cfg.ds_config) else "float32"
-    cfg.lr = cfg.ds_config.get("optimizer", {}).get("params", {}).get("lr", cfg.lr)
+    cfg.zero_stage, cfg.dtype = zero_stage(ds_config), "bfloat16" if uses_bf16(ds_config) else "float32"
+    cfg.lr = ds_config.get("optimizer", {}).get("params", {}).get("lr", cfg.lr)
     return parse_reward_spec(cfg.reward_funcs, cfg.reward_weights)
 
 
@@ -249,7 +249,8 @@ def make_engine(cfg):
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, cfg.dtype))
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg.ds_config)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=deepspeed_config(cfg)[0])
     return engine, tokenizer
 
 

@@ -23,7 +23,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from tools.demo import evaluate, free_port, start_ref_server  # noqa: E402
+from tools.demo import TINY_WORLD_FLAGS, evaluate, free_port, start_ref_server  # noqa: E402
 
 PIPELINES = {"base": ("ref_server.py", "grpo_vllm_one.py"),
              "regroup": ("regroup_ver/ref_server_regroup.py", "regroup_ver/grpo_regroup.py")}
@@ -37,7 +37,7 @@ def run(pipeline, completions, seed, env):
     try:
         subprocess.run([sys.executable, trainer_script, "--ref_url", f"http://127.0.0.1:{port}", "--run_name", run_name,
                         "--seed", str(seed), "--steps", "100000", "--save_every", "100000",
-                        "--max_completions", str(completions)], cwd=ROOT, env=env, check=True)
+                        "--max_completions", str(completions), *TINY_WORLD_FLAGS], cwd=ROOT, env=env, check=True)
     except subprocess.CalledProcessError as e:
         raise SystemExit(f"{trainer_script} failed with exit code {e.returncode}") from None
     finally:

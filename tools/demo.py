@@ -22,6 +22,9 @@ import requests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL, TEST = "models/tiny-math", "data/toy_math/test.jsonl"
+# the tiny model's tuned learning rate (2e-4 learned slower, 5e-4 collapsed); the trainers' default,
+# 1e-6, is for real pretrained models
+TINY_WORLD_FLAGS = ["--lr", "1e-4"]
 
 
 def free_port():
@@ -78,7 +81,7 @@ def main():
     try:
         trainer = subprocess.Popen([sys.executable, f"{args.trainer}.py", "--ref_url", f"http://127.0.0.1:{port}",
                                     "--run_name", run_name, "--seed", str(args.seed), "--steps", str(args.steps),
-                                    *args.train_args], cwd=ROOT, env=env)
+                                    *TINY_WORLD_FLAGS, *args.train_args], cwd=ROOT, env=env)
         if trainer.wait() != 0:
             raise SystemExit(f"{args.trainer}.py failed with exit code {trainer.returncode}")
     finally:  # stop what we started; the trainer stops its own generation worker
