@@ -30,15 +30,21 @@ REF_DEVICE=${REF_DEVICE:-cuda:0}
 GEN_DEVICE=${GEN_DEVICE:-1}
 TRAIN_GPU=${TRAIN_GPU:-2}
 PORT=${PORT:-59875}
-PY=${PY:-python}
-DEEPSPEED=${DEEPSPEED:-deepspeed}
+# the project's venv (make install) when there is one, else what PATH finds
+if [ -x .venv/bin/python ]; then VENV_BIN=.venv/bin/; else VENV_BIN=; fi
+PY=${PY:-${VENV_BIN}python}
+DEEPSPEED=${DEEPSPEED:-${VENV_BIN}deepspeed}
 
 # 1. the frozen reference model, in the background; stopped when this script ends
 $PY ref_server.py --model "$MODEL" --device "$REF_DEVICE" --dtype "${REF_DTYPE:-float32}" --port "$PORT" &
 REF_PID=$!
 trap 'kill $REF_PID 2>/dev/null; wait $REF_PID 2>/dev/null || true' EXIT
-$PY -c "import sys, time, requests
+# wait for its /health, at most 10 minutes (a 7B model loads slowly), and stop at once if it died
+$PY -c "import os, sys, time, requests
 for _ in range(600):
+    try:
+        os.kill($REF_PID, 0)
+    except OSError: sys.exit('ref_server.py (pid $REF_PID) exited during start-up: see its messages above')
     try:
         requests.get('http://127.0.0.1:$PORT/health', timeout=1).raise_for_status(); sys.exit(0)
     except requests.RequestException: time.sleep(1)
