@@ -164,7 +164,8 @@ def plan_memory(cfg, world_size=1, gpu_gb=None):
     settings = dict(dtype=dtype, zero_stage=stage, offload_optimizer=offload, gradient_checkpointing=checkpointing,
                     world_size=N, gpu_gb=gpu_gb, gen_memory=gen_memory, sequences_per_pass=seqs, seq_len=seq_len,
                     max_new_tokens=new_tokens)
-    return {"model": m, **settings, "trainer": trainer, "generation": gen, "host": host, "least_gen_memory": least,
+    return {"model": m, **settings, "trainer": trainer, "trainer_gb": {row: b / GB for row, b in trainer.items()},
+            "generation": gen, "host": host, "least_gen_memory": least,
             "fits": fits, "reasons": reasons, "trainer_gpu_gb": trainer["total"] / GB,
             "generation_gpu_gb": max(gen["takes"], gen["needs"]) / GB, "host_gb": host["total"] / GB}
 
