@@ -1,0 +1,224 @@
+"""memory_plan.py: what a GRPO run will need on its GPUs and host, from the model's config alone.
+
+    python memory_plan.py --model configs/qwen2.5-7b --dtype bfloat16 --zero_stage 2 --offload_optimizer \\
+        --gradient_checkpointing --plan_gpu_gb 80 --max_new_tokens 700 --max_model_len 1024
+
+prints a table and one JSON line; the trainers call plan_memory(cfg) before loading any weight.
+GB are 10^9 bytes. Bytes per parameter of the model states (P parameters, N training ranks, d = 2 for
+bfloat16 or 4 for float32, L = the largest module's parameters) as DeepSpeed 0.19.8 holds them with
+AdamW (runtime/zero/stage_1_and_2.py, stage3.py, fp16/unfused_optimizer.py, engine.py):
+
+                     weights      gradients      optimizer: fp32 master + Adam m, v
+  ZeRO-0 float32     4            4              0 + 8        (torch AdamW updates the weights themselves)
+  ZeRO-0 bfloat16    2            2 + 4          4 + 8        (step() makes fp32 copies of the gradients)
+  ZeRO-1             d            d + 4/N        (4 + 8)/N    (float32 too: the master is a clone)
+  ZeRO-2             d            (d + 4)/N      (4 + 8)/N    d = 2: DeepSpeed's estimator, 2 + 18/N
+  ZeRO-3             d/N + dL/P   dL/P + 4/N     (4 + 8)/N    d = 2: its estimator, (4L + 18P/N)/P
+  + offload          the fp32 gradients, master and Adam go to the host: 16/N a rank (16P a node)
+
+Where 0.19.8's code holds more than its estimators count, the margin carries it: ZeRO-1/2's step()
+flattens the 16-bit gradient partition once more (d/N); ZeRO-3 keeps that partition (2/N) but makes
+the fp32 gradients one 1e9-element sub-group at a time (so 18/N may overstate it; 20/N never does).
+ZeRO-3 float32 without offload keeps no master copy (its fp32 partition is the weights). The host
+loads the checkpoint in fp32 on every rank (4P each) before DeepSpeed casts it, as grpo_train.py
+does and the estimators assume. Not counted: the reference server's model (its own device), and
+vLLM on the trainer's own GPU (add its share there if it is).
+"""
+import functools
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+GB = 1e9
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+BUCKET_ELEMENTS = 5e8  # DeepSpeed's reduce_bucket_size default: one gradient bucket this long
+VLLM_RUNTIME = 2 * GB  # vLLM beyond weights and KV cache: profiled activations, CUDA graphs, sampler
+
+
+@functools.lru_cache(maxsize=None)
+def count_parameters(model):
+    """Exact parameter count (tied weights once) and the sizes the estimates need, from a HF
+    directory or config.json; the model is built on the meta device, so no weight is read."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    path = os.path.dirname(model) or "." if model.endswith(".json") else model
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)  # a hub name: from the local cache only
+    except (OSError, ValueError) as e:
+        where = "is not a model config" if os.path.exists(path) else "does not exist here (nor in the HF cache)"
+        raise ValueError(f"model {model!r} {where}: point --model at a local HF directory or its config.json; "
+                         f"the plan reads the config alone (configs/ holds Qwen2.5's) [{type(e).__name__}]") from None
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(config)
+    heads = config.num_attention_heads
+    return {"architecture": type(net).__name__,
+            "params": sum(p.numel() for p in net.parameters()),  # parameters() yields a tied weight once
+            "largest_layer_params": max(sum(p.numel() for p in m.parameters(recurse=False)) for m in net.modules()),
+            "hidden": config.hidden_size, "layers": config.num_hidden_layers, "vocab": config.vocab_size,
+            "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+            "intermediate": config.intermediate_size}
+
+
+def model_states(P, L, d, stage, offload, N):
+    """The table above: bytes on one training GPU (weights, gradients, optimizer), and on the host per rank."""
+    host = 16 * P / N if offload else 0  # fp32 gradients, master and Adam m, v of this rank's partition
+    if stage == 0:
+        fp32_copies = 4 if d == 2 else 0
+        return {"weights": d * P, "gradients": (d + fp32_copies) * P, "optimizer": (fp32_copies + 8) * P}, host
+    master = 0 if (stage == 3 and d == 4 and not offload) else 4
+    optimizer = 0 if offload else (master + 8) * P / N
+    fp32_grads = 0 if offload else 4 * P / N
+    if stage == 3:
+        return {"weights": d * P / N + d * L, "gradients": d * L + fp32_grads, "optimizer": optimizer}, host
+    grads16 = d * P if stage == 1 else (0 if offload else d * P / N)  # ZeRO-1 keeps them whole until the step
+    return {"weights": d * P, "gradients": grads16 + fp32_grads, "optimizer": optimizer}, host
+
+
+def activation_bytes(m, d, seqs, seq_len, completion_len, checkpointing):
+    """What autograd keeps for one forward/backward of `seqs` sequences of `seq_len` tokens.
+    Per token and layer: q, k, v before and after rotary, the attention output, the MLP's gate, up,
+    silu(gate) and their product (4I), d bytes each, and the two RMSNorms' fp32 intermediates (16h
+    bytes); no (T, T) scores (sdpa/flash attention recompute them). With checkpointing only each
+    layer's input (h) stays, plus one layer's working set while it is recomputed. The log-prob pass
+    adds (completion tokens, vocab) logits in d bytes twice: the lm_head's output and its torch.cat
+    copy both live at the end of the forward; the gradient is then written over the copy."""
+    tokens = seqs * seq_len
+    layer = d * (10 * m["hidden"] + 4 * m["kv_heads"] * m["head_dim"] + 4 * m["intermediate"]) + 16 * m["hidden"]
+    kept = m["layers"] * tokens * d * m["hidden"] + tokens * layer if checkpointing else m["layers"] * tokens * layer
+    return kept + 2 * seqs * completion_len * m["vocab"] * d
+
+
+def detected_gpu_gb():
+    import torch
+    if not torch.cuda.is_available():
+        raise ValueError("no GPU here to size the plan against: pass the training GPU's memory, e.g. --plan_gpu_gb 80")
+    return torch.cuda.get_device_properties(0).total_memory / GB
+
+
+def plan_memory(cfg, world_size=1, gpu_gb=None):
+    """The plan for the trainer's config `cfg` (attributes read with getattr): bytes per row for the
+    training GPU, the generation GPU and the host, `fits`, `reasons` (why, and what to change) and the
+    summary keys of plan_json."""
+    get = lambda name, default: getattr(cfg, name, default)  # noqa: E731
+    dtype, stage, offload = get("dtype", "float32"), get("zero_stage", 0), get("offload_optimizer", False)
+    checkpointing, tp, gen_memory = get("gradient_checkpointing", False), get("gen_tp", 1), get("gen_memory", 0.3)
+    prompts, G, per_part = get("batch_prompts", 8), get("num_generations", 8), get("micro_batch_groups", 0)
+    seq_len, new_tokens = get("max_model_len", 512), get("max_new_tokens", 48)
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r} is not one the trainers use: pass float32 or bfloat16")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage {stage!r}: DeepSpeed's ZeRO stages are 0, 1, 2 and 3")
+    if offload and stage == 0:
+        raise ValueError("offload_optimizer needs ZeRO: pass --zero_stage 2 (or 1, 3) with it")
+    if new_tokens >= seq_len:
+        raise ValueError(f"max_new_tokens {new_tokens} leaves no room for a prompt in max_model_len {seq_len}: "
+                         "raise --max_model_len")
+    gpu_gb = gpu_gb or get("plan_gpu_gb", 0) or detected_gpu_gb()
+    m, d, N, gpu = count_parameters(get("model", "")), DTYPE_BYTES[dtype], world_size, gpu_gb * GB
+    P = m["params"]
+
+    # ALGO LOGIC: one training GPU
+    trainer, host_per_rank = model_states(P, m["largest_layer_params"], d, stage, offload, N)
+    seqs = min(per_part or prompts, prompts) * G  # sequences in one forward/backward
+    trainer["activations"] = activation_bytes(m, d, seqs, seq_len, new_tokens, checkpointing)
+    bucket = d * (min(BUCKET_ELEMENTS, P) if stage == 0 else BUCKET_ELEMENTS)
+    step_copy = d * P / N if stage and not offload else 0  # what step() holds beyond the estimators (docstring)
+    # CUDA context and cuBLAS/NCCL workspaces, a gradient bucket, step()'s copy, allocator fragmentation
+    trainer["margin"] = 1 * GB + bucket + step_copy + 0.1 * trainer["activations"]
+    trainer["total"] = sum(trainer.values())
+
+    # ALGO LOGIC: the generation GPU, per vLLM tensor-parallel rank; weights and KV cache in `dtype`
+    full_batch = prompts * G
+    kv_per_token = 2 * m["layers"] * max(m["kv_heads"] / tp, 1) * m["head_dim"] * d  # K and V
+    gen = {"takes": gen_memory * gpu, "weights": P * d / tp, "kv_cache": full_batch * seq_len * kv_per_token,
+           "runtime": VLLM_RUNTIME}
+    gen["needs"] = gen["weights"] + gen["kv_cache"] + gen["runtime"]
+    least = math.ceil(gen["needs"] / gpu * 100) / 100  # the smallest gen_memory that holds it
+
+    # ALGO LOGIC: host RAM of the node (all `world_size` ranks on it)
+    host = {"load": 4 * P * N, "optimizer_offload": host_per_rank * N,
+            "staging": d * P if offload and stage < 3 else 0}  # ZeRO-1/2 offload: a d-byte copy of each partition
+    host["model_states"] = max(host["load"], host["optimizer_offload"])  # what DeepSpeed's estimators count
+    host["total"] = max(host["load"], host["optimizer_offload"] + host["staging"])
+
+    reasons = [f"trainer needs {trainer['total'] / GB:.1f} GB of the {gpu_gb:.0f} GB training GPU"]
+    if trainer["total"] > gpu:
+        tries = (["--dtype bfloat16"] if d == 4 else []) \
+            + ([("--zero_stage 2 " if stage == 0 else "") + "--offload_optimizer"] if not offload else []) \
+            + (["--gradient_checkpointing"] if not checkpointing else []) \
+            + (["--micro_batch_groups 1"] if seqs > G else []) + (["--zero_stage 3 with more ranks"] if N < 8 else [])
+        reasons[0] += ": try " + ", ".join(tries or ["a GPU with more memory"])
+    if gen["needs"] > gen["takes"]:
+        tries = ([f"--gen_memory {least}"] if least <= 0.95 else []) + (["--dtype bfloat16"] if d == 4 else []) \
+            + ([f"--gen_tp {2 * tp}"] if least > 0.5 else [])
+        reasons.append(f"vLLM needs {gen['needs'] / GB:.1f} GB (weights {gen['weights'] / GB:.1f}, KV cache for "
+                       f"{full_batch} sequences of {seq_len} tokens {gen['kv_cache'] / GB:.1f}, runtime "
+                       f"{gen['runtime'] / GB:.0f}) but --gen_memory {gen_memory} gives it {gen['takes'] / GB:.1f} "
+                       "GB: try " + ", ".join(tries))
+    else:
+        reasons.append(f"vLLM needs {gen['needs'] / GB:.1f} GB of the {gen['takes'] / GB:.1f} GB --gen_memory "
+                       f"{gen_memory} gives it (--gen_memory {least} would do)")
+    fits = trainer["total"] <= gpu and gen["needs"] <= gen["takes"]
+    settings = dict(dtype=dtype, zero_stage=stage, offload_optimizer=offload, gradient_checkpointing=checkpointing,
+                    world_size=N, gpu_gb=gpu_gb, gen_memory=gen_memory, sequences_per_pass=seqs, seq_len=seq_len,
+                    max_new_tokens=new_tokens)
+    return {"model": m, **settings, "trainer": trainer, "trainer_gb": {row: b / GB for row, b in trainer.items()},
+            "generation": gen, "host": host, "least_gen_memory": least,
+            "fits": fits, "reasons": reasons, "trainer_gpu_gb": trainer["total"] / GB,
+            "generation_gpu_gb": max(gen["takes"], gen["needs"]) / GB, "host_gb": host["total"] / GB}
+
+
+def format_plan(plan):
+    """A small table: the training GPU's rows, the generation GPU, host RAM; the verdict; what to change."""
+    m, t, g, h = plan["model"], plan["trainer"], plan["generation"], plan["host"]
+    options = [plan["dtype"], f"ZeRO-{plan['zero_stage']}", f"{plan['world_size']} training rank(s)"] \
+        + (["optimizer offload"] if plan["offload_optimizer"] else []) \
+        + (["gradient checkpointing"] if plan["gradient_checkpointing"] else [])
+    lines = [f"memory plan: {m['architecture']}, {m['params'] / 1e9:.2f}B parameters, " + ", ".join(options),
+             f"  {plan['sequences_per_pass']} sequences per forward/backward of up to {plan['seq_len']} tokens "
+             f"({plan['max_new_tokens']} new)",
+             f"{'training GPU (' + format(plan['gpu_gb'], '.0f') + ' GB), per rank':<36}{'GB':>8}"]
+    lines += [f"  {name:<34}{t[name] / GB:>8.1f}"
+              for name in ("weights", "gradients", "optimizer", "activations", "margin", "total")]
+    lines += [f"{'generation GPU (vLLM), per tp rank':<36}{'GB':>8}",
+              f"  {'takes (gen_memory ' + str(plan['gen_memory']) + ')':<34}{g['takes'] / GB:>8.1f}",
+              f"  {'needs':<34}{g['needs'] / GB:>8.1f}   weights {g['weights'] / GB:.1f} + KV cache "
+              f"{g['kv_cache'] / GB:.1f} + runtime {g['runtime'] / GB:.1f}",
+              f"{'host RAM':<36}{h['total'] / GB:>8.1f}   loading {h['load'] / GB:.1f}; optimizer offload "
+              f"{h['optimizer_offload'] / GB:.1f} + staging copy {h['staging'] / GB:.1f}",
+              "verdict: " + ("fits" if plan["fits"] else "does NOT fit")]
+    return "\n".join(lines + ["  " + reason for reason in plan["reasons"]])
+
+
+def plan_json(plan):
+    """The one-line summary: {"fits", "trainer_gpu_gb", "generation_gpu_gb", "host_gb"}, GB to 0.1."""
+    numbers = {key: round(plan[key], 1) for key in ("trainer_gpu_gb", "generation_gpu_gb", "host_gb")}
+    return json.dumps({"fits": plan["fits"], **numbers})
+
+
+@dataclass
+class PlanArgs:
+    model: str = field(default="configs/qwen2.5-0.5b", metadata={"help": "HF model directory or its config.json"})
+    dtype: str = field(default="float32", metadata={"help": "training (and vLLM) dtype: float32 or bfloat16"})
+    zero_stage: int = field(default=0, metadata={"help": "DeepSpeed ZeRO stage, 0-3"})
+    offload_optimizer: bool = field(default=False, metadata={"help": "ZeRO 1-3: optimizer state in host RAM"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "keep layer inputs only, recompute"})
+    world_size: int = field(default=1, metadata={"help": "training ranks (one GPU each), all on this node"})
+    batch_prompts: int = field(default=8, metadata={"help": "problems per step"})
+    num_generations: int = field(default=8, metadata={"help": "completions per problem (the group size G)"})
+    micro_batch_groups: int = field(default=0, metadata={"help": "groups per forward/backward (0: all at once)"})
+    max_new_tokens: int = field(default=48, metadata={"help": "the longest completion, in tokens"})
+    max_model_len: int = field(default=512, metadata={"help": "the longest prompt + completion, in tokens"})
+    gen_memory: float = field(default=0.3, metadata={"help": "vLLM's gpu_memory_utilization (share of its GPU)"})
+    gen_tp: int = field(default=1, metadata={"help": "vLLM's tensor-parallel size"})
+    plan_gpu_gb: float = field(default=0.0, metadata={"help": "each GPU's memory in GB (0: the detected GPU's)"})
+
+
+if __name__ == "__main__":
+    from transformers import HfArgumentParser
+    (args,) = HfArgumentParser(PlanArgs).parse_args_into_dataclasses()
+    plan = plan_memory(args, world_size=args.world_size)
+    print(format_plan(plan))
+    print(plan_json(plan))

@@ -1,0 +1,122 @@
+"""memory_plan.py: parameter counts of the Qwen2.5 configs, model-state bytes equal to DeepSpeed's own
+estimators, the seed's 7B configuration planned as fitting, the command line, and clear errors.
+Fast: the models are built on the meta device from configs/, no weight is read."""
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from memory_plan import GB, count_parameters, format_plan, plan_json, plan_memory
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QWEN = {size: os.path.join(ROOT, "configs", f"qwen2.5-{size}") for size in ("0.5b", "3b", "7b")}
+# The seed's run: 8 prompts x 8 completions of up to 700 new tokens, one group per forward/backward,
+# one 80 GB training GPU, vLLM on another 80 GB GPU. gen_memory 0.3 (24 GB) is below 7B's weights
+# in fp32 (30.5 GB) but above them in bf16 (15.2 GB + 3.8 GB KV cache + 2 GB runtime = 21.0 GB).
+SEED = dict(model=QWEN["7b"], dtype="bfloat16", zero_stage=2, offload_optimizer=True, gradient_checkpointing=True,
+            batch_prompts=8, num_generations=8, micro_batch_groups=1, max_new_tokens=700, max_model_len=1024,
+            gen_memory=0.3, plan_gpu_gb=80)
+
+
+def plan(world_size=1, **options):
+    return plan_memory(SimpleNamespace(**{**SEED, **options}), world_size=world_size)
+
+
+def model_state_bytes(p):
+    return sum(p["trainer"][row] for row in ("weights", "gradients", "optimizer"))
+
+
+@pytest.mark.parametrize("size, billions", [("0.5b", 0.49), ("3b", 3.09), ("7b", 7.62)])
+def test_parameter_counts_of_the_qwen_configs(size, billions):
+    assert count_parameters(QWEN[size])["params"] / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+def test_a_config_json_path_counts_like_its_directory():
+    by_file = count_parameters(os.path.join(QWEN["0.5b"], "config.json"))
+    assert by_file["params"] == count_parameters(QWEN["0.5b"])["params"]
+
+
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("gpus", [1, 4, 8])
+def test_zero2_model_states_equal_deepspeeds_estimator(offload, gpus):
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    p = plan(world_size=gpus, zero_stage=2, offload_optimizer=offload)
+    cpu, gpu = estimate_zero2_model_states_mem_needs(p["model"]["params"], num_gpus_per_node=gpus,
+                                                     cpu_offload=offload, additional_buffer_factor=1.0)
+    assert model_state_bytes(p) == pytest.approx(gpu, rel=0.01)
+    assert p["host"]["model_states"] == pytest.approx(cpu, rel=0.01)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("gpus", [1, 4, 8])
+def test_zero3_model_states_equal_deepspeeds_estimator(offload, gpus):
+    # zero_init=False: the trainers load the whole model on every rank (no deepspeed.zero.Init);
+    # cpu_offload_params=False: only the optimizer goes to the host
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    p = plan(world_size=gpus, zero_stage=3, offload_optimizer=offload)
+    cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+        p["model"]["params"], p["model"]["largest_layer_params"], num_gpus_per_node=gpus, cpu_offload=offload,
+        cpu_offload_params=False, zero_init=False, additional_buffer_factor=1.0)
+    assert model_state_bytes(p) == pytest.approx(gpu, rel=0.01)
+    assert p["host"]["model_states"] == pytest.approx(cpu, rel=0.01)
+
+
+def test_fp32_zero0_holds_16_bytes_a_parameter():
+    p = plan(dtype="float32", zero_stage=0, offload_optimizer=False)
+    assert model_state_bytes(p) == 16 * p["model"]["params"]
+
+
+def test_the_seeds_7b_configuration_fits():
+    p = plan()
+    assert p["fits"], format_plan(p)
+    assert p["trainer_gpu_gb"] < 80
+    gen = p["generation"]
+    assert gen["needs"] <= gen["takes"] == 0.3 * 80 * GB
+    assert gen["weights"] < 0.3 * 80 * GB < 2 * gen["weights"]  # 0.3 holds 7B in bf16, not in fp32
+    assert p["host"]["optimizer_offload"] == 16 * p["model"]["params"]
+
+
+def test_7b_in_fp32_without_offload_does_not_fit_and_says_the_trainer_gpu():
+    p = plan(dtype="float32", zero_stage=2, offload_optimizer=False)
+    assert not p["fits"]
+    assert "training GPU" in p["reasons"][0] and "--dtype bfloat16" in p["reasons"][0]
+    assert "does NOT fit" in format_plan(p)
+
+
+def test_gradient_checkpointing_and_micro_batches_shrink_the_activations():
+    whole = plan(gradient_checkpointing=False, micro_batch_groups=0)["trainer"]["activations"]
+    one_group = plan(gradient_checkpointing=False)["trainer"]["activations"]
+    checkpointed = plan()["trainer"]["activations"]
+    assert whole == pytest.approx(8 * one_group) and checkpointed < one_group / 4
+
+
+def test_a_small_gen_memory_is_named_with_the_share_that_would_do():
+    p = plan(gen_memory=0.2)
+    assert not p["fits"]
+    assert f"--gen_memory {p['least_gen_memory']}" in p["reasons"][1] and p["least_gen_memory"] <= 0.3
+
+
+def test_the_command_line_ends_with_the_json_summary():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "memory_plan.py"), "--model", QWEN["7b"],
+                          "--dtype", "bfloat16", "--zero_stage", "2", "--offload_optimizer", "--gradient_checkpointing",
+                          "--plan_gpu_gb", "80", "--max_new_tokens", "700", "--max_model_len", "1024",
+                          "--micro_batch_groups", "1"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(summary) == {"fits", "trainer_gpu_gb", "generation_gpu_gb", "host_gb"}
+    assert summary["fits"] is True and "weights" in out.stdout
+
+
+@pytest.mark.parametrize("option, value, named", [("dtype", "fp8", "'fp8'"), ("zero_stage", 5, "zero_stage 5"),
+                                                  ("model", "/no/such/model", "'/no/such/model' does not exist")])
+def test_a_bad_value_is_named_in_the_error(option, value, named):
+    with pytest.raises(ValueError, match=named):
+        plan(**{option: value})
+
+
+def test_plan_json_rounds_to_a_tenth():
+    summary = json.loads(plan_json(plan()))
+    assert all(round(summary[k], 1) == summary[k] for k in ("trainer_gpu_gb", "generation_gpu_gb", "host_gb"))
