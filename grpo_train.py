@@ -227,7 +227,10 @@ def show_plan(cfg):
     if not (cfg.plan or torch.cuda.is_available()):
         return
     from memory_plan import format_plan, plan_json, plan_memory
-    plan = plan_memory(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    try:
+        plan = plan_memory(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError as e:
+        raise SystemExit(f"memory plan: {e}") from None
     print(format_plan(plan))
     if cfg.plan:
         print(plan_json(plan))

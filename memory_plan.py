@@ -20,9 +20,9 @@ Where 0.19.8's code holds more than its estimators count, the margin carries it:
 flattens the 16-bit gradient partition once more (d/N); ZeRO-3 keeps that partition (2/N) but makes
 the fp32 gradients one 1e9-element sub-group at a time (so 18/N may overstate it; 20/N never does).
 ZeRO-3 float32 without offload keeps no master copy (its fp32 partition is the weights). The host
-loads the checkpoint in fp32 on every rank (4P each) before DeepSpeed casts it, as grpo_train.py
-does and the estimators assume. Not counted: the reference server's model (its own device), and
-vLLM on the trainer's own GPU (add its share there if it is).
+loads the checkpoint in the training dtype on every rank (dP each; DeepSpeed's estimators assume
+fp32, 4P). Not counted: the reference server's model (its own device), and vLLM on the trainer's
+own GPU (add its share there if it is). grpo_train.py has no vLLM: its plan has no generation GPU.
 """
 import functools
 import json
@@ -103,9 +103,12 @@ def plan_memory(cfg, world_size=1, gpu_gb=None):
     summary keys of plan_json."""
     get = lambda name, default: getattr(cfg, name, default)  # noqa: E731
     dtype, stage, offload = get("dtype", "float32"), get("zero_stage", 0), get("offload_optimizer", False)
-    checkpointing, tp, gen_memory = get("gradient_checkpointing", False), get("gen_tp", 1), get("gen_memory", 0.3)
+    checkpointing, tp = get("gradient_checkpointing", False), get("gen_tp", 1)
+    uses_vllm = hasattr(cfg, "gen_memory")  # grpo_vllm_one; grpo_train generates on the training GPU
+    gen_memory = get("gen_memory", 0.0) or 0.9  # 0: grpo_vllm_one's default, 0.9 of a GPU of its own
     prompts, G, per_part = get("batch_prompts", 8), get("num_generations", 8), get("micro_batch_groups", 0)
-    seq_len, new_tokens = get("max_model_len", 512), get("max_new_tokens", 48)
+    new_tokens = get("max_new_tokens", 48)
+    seq_len = get("max_model_len", new_tokens + 512)  # grpo_train has no such limit: prompts of up to 512
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} is not one the trainers use: pass float32 or bfloat16")
     if stage not in (0, 1, 2, 3):
@@ -138,9 +141,9 @@ def plan_memory(cfg, world_size=1, gpu_gb=None):
     least = math.ceil(gen["needs"] / gpu * 100) / 100  # the smallest gen_memory that holds it
 
     # ALGO LOGIC: host RAM of the node (all `world_size` ranks on it)
-    host = {"load": 4 * P * N, "optimizer_offload": host_per_rank * N,
+    host = {"load": d * P * N, "optimizer_offload": host_per_rank * N,
             "staging": d * P if offload and stage < 3 else 0}  # ZeRO-1/2 offload: a d-byte copy of each partition
-    host["model_states"] = max(host["load"], host["optimizer_offload"])  # what DeepSpeed's estimators count
+    host["model_states"] = max(4 * P * N, host["optimizer_offload"])  # what DeepSpeed's estimators count
     host["total"] = max(host["load"], host["optimizer_offload"] + host["staging"])
 
     reasons = [f"trainer needs {trainer['total'] / GB:.1f} GB of the {gpu_gb:.0f} GB training GPU"]
@@ -150,7 +153,10 @@ def plan_memory(cfg, world_size=1, gpu_gb=None):
             + (["--gradient_checkpointing"] if not checkpointing else []) \
             + (["--micro_batch_groups 1"] if seqs > G else []) + (["--zero_stage 3 with more ranks"] if N < 8 else [])
         reasons[0] += ": try " + ", ".join(tries or ["a GPU with more memory"])
-    if gen["needs"] > gen["takes"]:
+    if not uses_vllm:
+        gen = {key: 0 for key in gen}
+        reasons.append("generation: on the training GPU (grpo_train.py), within its activations' share")
+    elif gen["needs"] > gen["takes"]:
         tries = ([f"--gen_memory {least}"] if least <= 0.95 else []) + (["--dtype bfloat16"] if d == 4 else []) \
             + ([f"--gen_tp {2 * tp}"] if least > 0.5 else [])
         reasons.append(f"vLLM needs {gen['needs'] / GB:.1f} GB (weights {gen['weights'] / GB:.1f}, KV cache for "
@@ -160,7 +166,7 @@ def plan_memory(cfg, world_size=1, gpu_gb=None):
     else:
         reasons.append(f"vLLM needs {gen['needs'] / GB:.1f} GB of the {gen['takes'] / GB:.1f} GB --gen_memory "
                        f"{gen_memory} gives it (--gen_memory {least} would do)")
-    fits = trainer["total"] <= gpu and gen["needs"] <= gen["takes"]
+    fits = trainer["total"] <= gpu and (gen["needs"] <= gen["takes"] or not uses_vllm)
     settings = dict(dtype=dtype, zero_stage=stage, offload_optimizer=offload, gradient_checkpointing=checkpointing,
                     world_size=N, gpu_gb=gpu_gb, gen_memory=gen_memory, sequences_per_pass=seqs, seq_len=seq_len,
                     max_new_tokens=new_tokens)

@@ -120,3 +120,19 @@ def test_a_bad_value_is_named_in_the_error(option, value, named):
 def test_plan_json_rounds_to_a_tenth():
     summary = json.loads(plan_json(plan()))
     assert all(round(summary[k], 1) == summary[k] for k in ("trainer_gpu_gb", "generation_gpu_gb", "host_gb"))
+
+
+def test_the_trainers_plan_flag_prints_the_plan_and_its_json_line_before_loading_anything():
+    seed = ["--model", QWEN["7b"], "--dtype", "bfloat16", "--zero_stage", "2", "--offload_optimizer",
+            "--gradient_checkpointing", "--plan_gpu_gb", "80", "--max_new_tokens", "700", "--max_model_len", "1024",
+            "--micro_batch_groups", "1", "--ref_url", "http://127.0.0.1:9"]  # no ref server: --plan needs none
+    out = subprocess.run([sys.executable, "grpo_vllm_one.py", "--plan", *seed], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "memory plan: Qwen2ForCausalLM, 7.62B parameters" in out.stdout
+    assert json.loads(out.stdout.strip().splitlines()[-1])["fits"] is True
+    fp32 = ["--model", QWEN["7b"], "--zero_stage", "2", "--plan_gpu_gb", "80", "--max_new_tokens", "700",
+            "--ref_url", "http://127.0.0.1:9"]
+    out = subprocess.run([sys.executable, "grpo_train.py", "--plan", *fp32], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and json.loads(out.stdout.strip().splitlines()[-1])["fits"] is False
