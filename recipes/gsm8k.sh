@@ -25,6 +25,7 @@ MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-700}
 MICRO_BATCH_GROUPS=${MICRO_BATCH_GROUPS:-1}  # groups per forward/backward: bounds activation memory
 TEMPERATURE=${TEMPERATURE:-0.9}
 BETA=${BETA:-0.04}
+DTYPE=${DTYPE:-bfloat16}  # the trainer, vLLM and (unless REF_DTYPE says otherwise) the ref server
 SAVE_EVERY=${SAVE_EVERY:-100}
 REF_DEVICE=${REF_DEVICE:-cuda:0}
 GEN_DEVICE=${GEN_DEVICE:-1}
@@ -36,7 +37,7 @@ PY=${PY:-${VENV_BIN}python}
 DEEPSPEED=${DEEPSPEED:-${VENV_BIN}deepspeed}
 
 # 1. the frozen reference model, in the background; stopped when this script ends
-$PY ref_server.py --model "$MODEL" --device "$REF_DEVICE" --dtype "${REF_DTYPE:-float32}" --port "$PORT" &
+$PY ref_server.py --model "$MODEL" --device "$REF_DEVICE" --dtype "${REF_DTYPE:-$DTYPE}" --port "$PORT" &
 REF_PID=$!
 trap 'kill $REF_PID 2>/dev/null; wait $REF_PID 2>/dev/null || true' EXIT
 # wait for its /health, at most 10 minutes (a 7B model loads slowly), and stop at once if it died
@@ -61,7 +62,7 @@ fi
     --ref_url "http://127.0.0.1:$PORT" --gen_device "$GEN_DEVICE" --zero_stage 2 \
     --steps "$STEPS" --lr "$LR" --batch_prompts "$BATCH_PROMPTS" --num_generations "$NUM_GENERATIONS" \
     --max_new_tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --beta "$BETA" \
-    --micro_batch_groups "$MICRO_BATCH_GROUPS" \
+    --micro_batch_groups "$MICRO_BATCH_GROUPS" --dtype "$DTYPE" \
     --max_model_len "${MAX_MODEL_LEN:-$((MAX_NEW_TOKENS + 512))}" --save_every "$SAVE_EVERY" ${EXTRA_FLAGS:-}
 
 # 3. accuracy on the test split, greedy (evaluate.py; vLLM when installed)

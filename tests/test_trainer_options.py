@@ -186,6 +186,7 @@ def test_the_gsm8k_recipe_runs_two_steps_on_cpu_with_the_tiny_model():
     """recipes/gsm8k.sh, the README's GPU recipe, with the tiny model and toy data swapped in."""
     env = {**os.environ, "MODEL": "models/tiny-math", "DATASET": "data/toy_math/train.jsonl", "DATASET_CONFIG": "",
            "EVAL_DATASET": "data/toy_math/test.jsonl", "REF_DEVICE": "cpu", "STEPS": "2", "RUN": "test_recipe",
+           "DTYPE": "float32",
            "BATCH_PROMPTS": "2", "NUM_GENERATIONS": "4", "MAX_NEW_TOKENS": "32", "MAX_MODEL_LEN": "512",
            "PORT": "59891", "PY": sys.executable, "DEEPSPEED": os.path.join(os.path.dirname(sys.executable), "deepspeed")}
     out = subprocess.run(["bash", "recipes/gsm8k.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
