@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -31,6 +32,7 @@ from grpo_vllm_one import Config, sample, start_vllm  # noqa: E402
 
 def gradient(model, batch, mask, temperature, old_from_sampler, tis_cap):
     """The flattened gradient of the GRPO loss on `batch`, and the loss's diagnostics."""
+    t0 = time.time()
     model.zero_grad()
     logps = sequence_logps(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], temperature)
     sampler = batch["old_logps"]
@@ -40,6 +42,7 @@ def gradient(model, batch, mask, temperature, old_from_sampler, tis_cap):
         loss, stats = grpo_loss(logps, logps.detach(), None, batch["advantages"], mask, beta=0.0,
                                 sampler_logps=None if tis_cap == 0 else sampler, tis_cap=tis_cap)
     loss.backward()
+    print(f"gradient in {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
     return torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None]), stats
 
 
@@ -47,9 +50,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=os.path.join(ROOT, "models", "tiny-math"))
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--generations", type=int, default=4)
-    ap.add_argument("--max_new_tokens", type=int, default=64)
+    ap.add_argument("--max_new_tokens", type=int, default=32)
     ap.add_argument("--tis_cap", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -61,7 +64,9 @@ def main():
     stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)
     problems = load_data(cfg)[:args.prompts]
     prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format) for p in problems]
+    t0 = time.time()
     prompt_rows, completion_ids, sampler_logps = sample(llm, prompts, cfg, stop_ids)
+    print(f"vLLM sampled {completion_ids.size(0)} completions in {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
     del llm
     G = args.generations
     signs = torch.randint(0, 2, (completion_ids.size(0),), generator=torch.Generator().manual_seed(args.seed)) * 2 - 1
@@ -86,7 +91,7 @@ def main():
     for name, from_sampler, cap in (("no_tis", True, 0), ("tis", False, args.tis_cap)):
         g, stats = gradient(model, batch, mask, cfg.temperature, from_sampler, cap)
         results[name] = {"clip_fraction": stats["clip_fraction"],
-                         "cosine_to_exact": torch.nn.functional.cosine_similarity(g, exact, dim=0).item(),
+                         "cosine_to_exact": torch.nn.functional.cosine_similarity(g.double(), exact.double(), dim=0).item(),
                          **{k: stats[k] for k in ("is_weight_mean", "is_truncated_frac") if k in stats}}
 
     print(f"\n{results['model']}, {args.dtype}: {results['tokens']} completion tokens, vLLM vs trainer |logp gap| "

@@ -67,4 +67,4 @@ fi
 
 # 3. accuracy on the test split, greedy (evaluate.py; vLLM when installed)
 $PY evaluate.py --model "runs/$RUN/step_$STEPS" --dataset "$EVAL_DATASET" --dataset_config "$DATASET_CONFIG" \
-    --split test --max_new_tokens "$MAX_NEW_TOKENS" --json
+    --split test --max_new_tokens "$MAX_NEW_TOKENS" --dtype "$DTYPE" --json
