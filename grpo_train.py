@@ -230,7 +230,10 @@ def show_plan(cfg):
     try:
         plan = plan_memory(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as e:
-        raise SystemExit(f"memory plan: {e}") from None
+        if cfg.plan:
+            raise SystemExit(f"memory plan: {e}") from None
+        print(f"memory plan skipped: {e}")  # e.g. a hub model not downloaded yet: the run goes on
+        return
     print(format_plan(plan))
     if cfg.plan:
         print(plan_json(plan))
