@@ -17,7 +17,7 @@ from tests.test_smollm2 import save_figures, smollm2  # noqa: F401 - the convert
 from tools.demo import free_port, start_ref_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # bf16 steps take minutes on a CPU
 SIGNAL = ["--reward_file", "tests/signal_rewards.py", "--reward_funcs", "mentions_answer,brevity",
           "--reward_weights", "1,0.5"]
 SMALL = ["--batch_prompts", "2", "--num_generations", "4", "--max_new_tokens", "32"]
