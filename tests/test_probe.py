@@ -93,3 +93,13 @@ def test_smollm2_probe_reports_its_figures(smollm2):  # noqa: F811
     assert rc == 0, output[-3000:]
     check_consistent(result, 8, 4, 32)
     save_figures("probe_smollm2", result)
+
+
+def test_the_verdict_names_what_is_wrong():
+    import torch
+    from tools.probe import verdict
+    assert verdict([16, 0, 0, 0, 0], torch.zeros(64), 1.0, 0.0, 4).startswith("0 of 16 prompts earned any reward")
+    assert "no group has reward variance" in verdict([16, 0, 0, 0, 0], torch.ones(64), 1.0, 0.0, 4)
+    assert verdict([10, 2, 0, 0, 4], torch.rand(64), 0.75, 0.0, 4).startswith("most groups (75%) are all-alike")
+    assert verdict([2, 5, 6, 3, 0], torch.rand(64), 0.1, 0.0, 4) == "healthy: 90% of groups have reward variance"
+    assert "hit --max_new_tokens" in verdict([2, 5, 6, 3, 0], torch.rand(64), 0.1, 0.9, 4)

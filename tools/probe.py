@@ -125,7 +125,7 @@ def pass_rate_histogram(correct, G):
 
 
 def verdict(hist, rewards, zero_var_frac, truncated_frac, G):
-    """The probe's conclusion in plain words."""
+    """The probe's conclusion in plain words. hist: pass_rate_histogram; rewards (Q*G,)."""
     n = sum(hist)
     by_group = rewards.view(-1, G)
     fix_reward = "change the reward (--reward_funcs/--reward_weights/--reward_file)"
@@ -144,6 +144,10 @@ def verdict(hist, rewards, zero_var_frac, truncated_frac, G):
                 "nearer the model's level")
     else:
         text = f"healthy: {1 - zero_var_frac:.0%} of groups have reward variance"
+        mixed = sum(hist[1:G]) / n  # prompts with correct and wrong completions: correctness teaches there
+        if mixed < MOST:
+            text += (f", but only {mixed:.0%} of prompts have both correct and wrong completions ({hist[0]} none "
+                     f"correct, {hist[G]} all correct): the rest learn from the other rewards only")
     if truncated_frac >= MOST:
         text += (f". Most completions ({truncated_frac:.0%}) hit --max_new_tokens without a stop token: "
                  "raise --max_new_tokens, or the answers are cut short")
