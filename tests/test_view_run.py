@@ -3,6 +3,9 @@
     python -m pytest -q tests/test_view_run.py
     SAVE_SCREENSHOT=1 python -m pytest -q tests/test_view_run.py    # the screenshot -> docs/report_screenshot.png
 
+The run is a real one (tests/data/example_run/: 60 GRPO steps on the tiny model, and completions the
+probe sampled from its checkpoints) with a few made-up completions added, one of them hostile.
+
 The browser is Debian's headless Chromium; when it is missing, tools/install_chromium.sh installs it
 (apt-get, as root), and the test fails with the reason if that does not work.
 """
@@ -19,18 +22,12 @@ import pytest
 from completions_log import log_completions, read_completions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE_RUN = os.path.join(ROOT, "tests", "data", "example_run")
 PHRASE = "the answer is 42 apples"
 SCRIPT = "<script>alert(1)</script>"
 CANARY = "<img src=x onerror=\"document.body.setAttribute('data-pwned','1')\">"  # runs if the page lets HTML in
 QUOTE_TOKEN = "x' onmouseover='alert(2)"  # would close the title attribute if it were not escaped
 PROMPT = "<|im_start|>user\nAda has 40 apples and finds 2 more. How many apples does she have?<|im_end|>\n"
-
-
-def metrics_rows(steps=10):
-    return [{"step": s, "reward_mean": 0.4 + 0.03 * s, "accuracy": 0.2 + 0.02 * s, "format_rate": 0.6 + 0.03 * s,
-             "kl": 0.001 * s, "completion_len": 20 - 0.5 * s, "zero_var_frac": 0.5 - 0.02 * s,
-             "clip_fraction": 0.01 * (s % 3), "grad_norm": 1.0 + math.sin(s), "entropy": 0.8 - 0.02 * s,
-             "truncated_frac": 0.1, "sampler_gap_mean": 1e-3} for s in range(1, steps + 1)]
 
 
 def completion(text_tokens, reward, advantage, correctness, step_gap=0.0):
@@ -44,15 +41,12 @@ def completion(text_tokens, reward, advantage, correctness, step_gap=0.0):
 
 
 def make_run(run):
-    """A small run in `run`: 10 steps of metrics, and completions at steps 5 and 10 (one hostile)."""
-    run.mkdir()
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics_rows()))
-    (run / "config.json").write_text(json.dumps({"epsilon": 0.2, "epsilon_high": 0.2, "num_generations": 2}))
-    path = str(run / "completions.jsonl")
-    log_completions(path, 5, [
+    """A run in `run`: the example run's metrics and completions (real: tests/data/example_run/README.md),
+    and at step 50 four made-up completions, one of them hostile."""
+    shutil.copytree(EXAMPLE_RUN, run, ignore=shutil.ignore_patterns("README.md"))
+    log_completions(str(run / "completions.jsonl"), 50, [
         completion(["<think>", " 40", "+", "2", "=", "42", "</think>", "<answer>", "42", "</answer>"], 1.5, 0.7, 1.0),
-        completion(["<think>", " 40", "-", "2", "</think>", "<answer>", "38", "</answer>"], 0.5, -0.7, 0.0, 0.3)])
-    log_completions(path, 10, [
+        completion(["<think>", " 40", "-", "2", "</think>", "<answer>", "38", "</answer>"], 0.5, -0.7, 0.0, 0.3),
         completion(["<think>", " so", " the", " answer", " is", " 42", " apples", "</think>"], 1.0, 0.7, 1.0),
         completion(["<think>", SCRIPT, CANARY, QUOTE_TOKEN, "</think>"], 0.0, -0.7, 0.0)])
     return run
@@ -60,13 +54,13 @@ def make_run(run):
 
 @pytest.fixture
 def run_dir(tmp_path):
-    return make_run(tmp_path / "run")
+    return make_run(tmp_path / "viewer_example")
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     """The small run's report.html, written once for the tests that only read it."""
-    run = make_run(tmp_path_factory.mktemp("report") / "run")
+    run = make_run(tmp_path_factory.mktemp("report") / "viewer_example")
     out = view_run(run)
     assert out.returncode == 0, out.stderr[-2000:]
     return run / "report.html"
@@ -82,11 +76,12 @@ class DomText(HTMLParser):
 
     def __init__(self):
         super().__init__()
-        self.text, self.tags, self.attributes, self._skip = [], [], [], 0
+        self.text, self.tags, self.attributes, self.links, self._skip = [], [], [], [], 0
 
     def handle_starttag(self, tag, attrs):
         self.tags.append(tag)
         self.attributes.extend(name for name, _ in attrs)
+        self.links.extend(value for name, value in attrs if name in ("src", "href"))
         self._skip += tag in ("style", "script")
 
     def handle_endtag(self, tag):
@@ -107,10 +102,11 @@ def parse(html_text):
 def test_the_report_is_one_self_contained_page(report):
     page = report.read_text()
     assert "data:image/png;base64," in page  # the curves, embedded
-    assert "http://" not in page and "https://" not in page  # nothing fetched from elsewhere
     text, elements = parse(page)
+    assert elements.links and all(link.startswith("data:") for link in elements.links)  # nothing from elsewhere
+    assert "url(" not in page and "@import" not in page
     assert "script" not in elements.tags and "link" not in elements.tags
-    assert "step 10" in text and "reward_mean" in text
+    assert "step 60" in text and "reward_mean" in text
 
 
 def test_completion_text_is_escaped_in_the_file(report):

@@ -4,8 +4,9 @@
     python tools/view_run.py runs/NAME --out r.html --completions_per_step 8 --steps_shown 20
 
 Reads runs/NAME/metrics.jsonl (one JSON line per step, metrics.log_step), and, when present,
-runs/NAME/config.json (the run's flags) and runs/NAME/completions.jsonl (completions_log.py;
-a trainer writes it with --log_completions_every N). The page needs no server and no network:
+runs/NAME/config.json (the run's flags) and runs/NAME/completions.jsonl (its format: completions_log.py;
+written by a trainer's --log_completions_every N once the trainers call completions_log.log_completions,
+and by tools/probe.py --log_completions). The page needs no server and no network:
 CSS is inline and the curves are an embedded PNG, so it opens from disk, or as a mail attachment.
 
 Completions: each token is a span coloured by the completion's advantage (green: pushed up,
@@ -60,6 +61,11 @@ def read_metrics(path):
     if not rows:
         raise SystemExit(f"{path} is empty: the run has not logged a step yet")
     return rows
+
+
+def short(value):
+    """A number in 4 significant digits, without the minus of a rounded negative zero."""
+    return f"{value:.4g}" if value != 0 else "0"
 
 
 def plural(n, word):
@@ -126,8 +132,8 @@ def first_last_table(rows):
         if values:
             columns.append((key, values[0], values[-1]))
     head = "".join(f"<th>{html.escape(key)}</th>" for key, _, _ in columns)
-    first = "".join(f"<td>{v:.4g}</td>" for _, v, _ in columns)
-    last = "".join(f"<td>{v:.4g}</td>" for _, _, v in columns)
+    first = "".join(f"<td>{short(v)}</td>" for _, v, _ in columns)
+    last = "".join(f"<td>{short(v)}</td>" for _, _, v in columns)
     return (f"<table class='small'><tr><th></th>{head}</tr><tr><th>first step</th>{first}</tr>"
             f"<tr><th>last step</th>{last}</tr></table>")
 
