@@ -173,12 +173,12 @@ def print_report(cfg, correct, rewards, stats, truncated_frac):
 
 
 # ---------------------------------------------------------------------------- logging a few groups
-def trainer_logps(cfg, prompt_rows, completion_ids, picked, G, pad_id):
-    """transformers' per-token log-probs (at cfg.temperature) of the picked completions, (len(picked), C)."""
+def trainer_logps(cfg, prompt_rows, completion_ids, questions, G, pad_id):
+    """transformers' per-token log-probs (at cfg.temperature) of the completions of `questions`, (len * G, C)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, cfg.dtype)).eval()
     groups = [{"prompt_ids": prompt_rows[q], "completion_ids": completion_ids[q * G:(q + 1) * G],
-               "advantages": torch.zeros(G)} for q in sorted({i // G for i in picked})]
+               "advantages": torch.zeros(G)} for q in questions]
     batch = collate(groups, pad_id)
     with torch.no_grad():
         return sequence_logps(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
@@ -188,19 +188,17 @@ def trainer_logps(cfg, prompt_rows, completion_ids, picked, G, pad_id):
 def write_completions(cfg, tokenizer, prompts, prompt_rows, completion_ids, sampler_logps, mask, rewards, scores):
     """A few groups, with vLLM's and the trainer's log-probs, to cfg.log_completions."""
     G = cfg.num_generations
-    picked = pick_groups(rewards.tolist(), G, cfg.log_groups)
-    questions = sorted({i // G for i in picked})
-    rows = [q * G + g for q in questions for g in range(G)]  # the picked groups, in prompt order
-    logps = trainer_logps(cfg, prompt_rows, completion_ids, picked, G, tokenizer.pad_token_id)
-    sampler = sampler_logps[rows, :logps.size(1)]
-    advantages = group_advantages(rewards, G)[rows]
-    entries = completion_rows(tokenizer, [prompts[q] for q in questions], completion_ids[rows, :logps.size(1)],
-                              mask[rows, :logps.size(1)], [scores[i] for i in rows], advantages, G,
+    questions = sorted({i // G for i in pick_groups(rewards.tolist(), G, cfg.log_groups)})
+    rows = [q * G + g for q in questions for g in range(G)]  # the picked groups' completions, (len * G,)
+    logps = trainer_logps(cfg, prompt_rows, completion_ids, questions, G, tokenizer.pad_token_id)
+    sampler, picked_mask = sampler_logps[rows], mask[rows]
+    entries = completion_rows(tokenizer, [prompts[q] for q in questions], completion_ids[rows], picked_mask,
+                              [scores[i] for i in rows], group_advantages(rewards, G)[rows], G,
                               logps=logps, sampler_logps=sampler, ratio=torch.exp(logps - sampler),
                               groups=len(questions))
     os.makedirs(os.path.dirname(os.path.abspath(cfg.log_completions)), exist_ok=True)
     log_completions(cfg.log_completions, cfg.log_step, entries)
-    gap = ((logps - sampler).abs() * mask[rows, :logps.size(1)]).sum() / mask[rows].sum()
+    gap = ((logps - sampler).abs() * picked_mask).sum() / picked_mask.sum()
     print(f"wrote {len(entries)} completions to {cfg.log_completions} (trainer - vLLM log-prob gap: mean |gap| "
           f"{gap.item():.2e} per token)")
 
