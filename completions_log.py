@@ -1,0 +1,114 @@
+"""Logged completions: runs/NAME/completions.jsonl, the token-level record tools/view_run.py shows.
+
+A trainer run with `--log_completions_every N` appends, every N steps, a few completions
+(one JSON object per line):
+
+    {"step": 40,                     # the trainer step that sampled them
+     "prompt": "...",                # the prompt text, chat template applied
+     "completion": "...",            # the decoded completion, as the rewards scored it
+     "reward": 1.5,                  # the weighted sum the advantage is formed from
+     "rewards": {"correctness": 1.0, "format": 1.0},   # each reward function's own value
+     "advantage": 0.93,              # the completion's group-relative advantage
+     "tokens": ["<think>", " 3", ...],   # the completion's tokens, each decoded on its own
+     "logps": [-0.12, ...] or null,      # the trainer's log-prob of each token
+     "sampler_logps": [-0.13, ...] or null,  # the sampler's (vLLM's) log-prob of each token
+     "ratio": [1.01, ...] or null}       # each token's importance ratio exp(logp - old_logp)
+
+The per-token lists are as long as "tokens" (the completion up to and including its stop
+token). A trainer logs with two calls:
+
+    rows = completion_rows(tokenizer, prompts, completion_ids, mask, scores, advantages, G,
+                           logps=new_logps, sampler_logps=old_logps)
+    log_completions(os.path.join(run_dir, "completions.jsonl"), step, rows)
+
+Completions are model output: treat them as untrusted text wherever they are shown.
+"""
+import json
+import math
+
+REQUIRED_KEYS = ("prompt", "completion", "reward")
+PER_TOKEN_KEYS = ("logps", "sampler_logps", "ratio")
+
+
+def _number(value):
+    """JSON-safe and short: floats to 5 decimals; NaN and infinities (not JSON) become null."""
+    value = float(value)
+    return round(value, 5) if math.isfinite(value) else None
+
+
+def _per_token(values, n_tokens, key, index):
+    if values is None:
+        return None
+    values = [_number(v) for v in values]
+    if len(values) != n_tokens:
+        raise ValueError(f"completion row {index}: {key!r} has {len(values)} values for {n_tokens} tokens; "
+                         "give one per token of the completion (its stop token included)")
+    return values
+
+
+def log_completions(path, step, rows):
+    """Append `rows` (dicts with the keys in this module's docstring; prompt, completion and reward
+    are required, the rest may be missing or None) to the JSON-lines file `path`, tagged with `step`."""
+    lines = []
+    for i, row in enumerate(rows):
+        missing = [k for k in REQUIRED_KEYS if k not in row]
+        if missing:
+            raise ValueError(f"completion row {i} has no {missing}: every row needs {list(REQUIRED_KEYS)}")
+        tokens = [str(t) for t in row.get("tokens") or []]
+        record = {"step": int(step), "prompt": str(row["prompt"]), "completion": str(row["completion"]),
+                  "reward": _number(row["reward"]),
+                  "rewards": {str(k): _number(v) for k, v in (row.get("rewards") or {}).items()},
+                  "advantage": None if row.get("advantage") is None else _number(row["advantage"]),
+                  "tokens": tokens}
+        for key in PER_TOKEN_KEYS:
+            record[key] = _per_token(row.get(key), len(tokens), key, i)
+        lines.append(json.dumps(record, ensure_ascii=False) + "\n")
+    with open(path, "a", encoding="utf-8") as f:
+        f.writelines(lines)
+
+
+def read_completions(path):
+    """The rows of a completions.jsonl file; a bad line raises an error naming the file and line."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict) or "step" not in row:
+                raise ValueError(f"{path}, line {lineno}: expected an object with a 'step' (completions_log.py)")
+            rows.append(row)
+    return rows
+
+
+def pick_groups(rewards, G, groups=1):
+    """Indices of the completions of the first `groups` groups whose rewards differ (the ones GRPO
+    learns from), topped up with the first all-alike groups when too few differ. rewards (Q*G,)."""
+    by_group = [rewards[q * G:(q + 1) * G] for q in range(len(rewards) // G)]
+    varied = [q for q, r in enumerate(by_group) if max(r) != min(r)]
+    alike = [q for q, r in enumerate(by_group) if max(r) == min(r)]
+    return [q * G + g for q in (varied + alike)[:groups] for g in range(G)]
+
+
+def completion_rows(tokenizer, prompts, completion_ids, mask, scores, advantages, G, *, logps=None,
+                    sampler_logps=None, ratio=None, groups=1):
+    """Rows for log_completions from a step's tensors: the G completions of `groups` groups (pick_groups).
+    prompts [Q] texts; completion_ids, mask (Q*G, C); scores [Q*G] dicts from rewards.score;
+    advantages (Q*G,); logps, sampler_logps, ratio (Q*G, C) or None."""
+    rows = []
+    for i in pick_groups([s["reward"] for s in scores], G, groups):
+        n = int(mask[i].sum())
+        ids = completion_ids[i, :n].tolist()
+        row = {"prompt": prompts[i // G],
+               "completion": tokenizer.decode(ids, skip_special_tokens=True),
+               "reward": scores[i]["reward"],
+               "rewards": {k: v for k, v in scores[i].items() if k != "reward"},
+               "advantage": float(advantages[i]),
+               "tokens": [tokenizer.decode([t]) for t in ids]}
+        for key, values in (("logps", logps), ("sampler_logps", sampler_logps), ("ratio", ratio)):
+            row[key] = None if values is None else values[i, :n].tolist()
+        rows.append(row)
+    return rows
