@@ -171,6 +171,7 @@ def headless(chromium, *args):
                           text=True, timeout=120)
 
 
+@pytest.mark.slow  # installs Debian's chromium on first use (~20 s, 348 MB): kept out of CI's fast suite
 def test_a_browser_shows_the_completions_as_text_and_runs_none_of_them(report, chromium, tmp_path):
     url = report.resolve().as_uri()
     out = headless(chromium, "--dump-dom", url)
