@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from data import load_problems, make_prompt, stop_token_ids
+from ds_config import DTYPES
 from rewards import reference_answer, score
 
 
@@ -44,9 +45,6 @@ class EvalConfig:
     dtype: str = "float32"  # float32 or bfloat16, in either backend
     seed: int = 0
     json: bool = False  # print one last JSON line with the figures
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def hf_generate(model, tokenizer, prompts, *, samples=1, temperature=0.0, max_new_tokens=64,
@@ -143,7 +141,7 @@ def evaluate(cfg: EvalConfig):
     if not os.path.isdir(cfg.model):
         raise SystemExit(f"model directory {cfg.model!r} not found")
     if cfg.dtype not in DTYPES:
-        raise SystemExit(f"unknown --dtype {cfg.dtype!r}: use float32 or bfloat16")
+        raise SystemExit(f"unknown --dtype {cfg.dtype!r}: use one of {', '.join(DTYPES)}")
     problems = load_problems(cfg.dataset, split=cfg.split, config=cfg.dataset_config or None,
                              question_field=cfg.question_field, answer_field=cfg.answer_field)
     problems = problems[:cfg.n] if cfg.n > 0 else problems
@@ -167,7 +165,7 @@ def evaluate(cfg: EvalConfig):
                                              dtype=cfg.dtype, max_model_len=max_model_len, stop_ids=stop_ids)
     elif backend == "hf":
         torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=DTYPES[cfg.dtype]).eval()
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, cfg.dtype)).eval()
         completions, lengths = hf_generate(model, tokenizer, prompts, samples=cfg.samples,
                                            temperature=cfg.temperature,
                                            max_new_tokens=cfg.max_new_tokens, stop_ids=stop_ids)
