@@ -15,16 +15,16 @@ A trainer run with `--log_completions_every N` appends, every N steps, a few com
      "ratio": [1.01, ...] or null}       # each token's importance ratio exp(logp - old_logp)
 
 The per-token lists are as long as "tokens" (the completion up to and including its stop
-token). A trainer logs with two calls:
-
-    rows = completion_rows(tokenizer, prompts, completion_ids, mask, scores, advantages, G,
-                           logps=new_logps, sampler_logps=old_logps)
-    log_completions(os.path.join(run_dir, "completions.jsonl"), step, rows)
+token). The trainers log a trained batch with log_batch_completions; any other producer (tools/probe.py)
+builds rows with completion_rows and writes them with log_completions.
 
 Completions are model output: treat them as untrusted text wherever they are shown.
 """
 import json
 import math
+import os
+
+import torch
 
 REQUIRED_KEYS = ("prompt", "completion", "reward")
 PER_TOKEN_KEYS = ("logps", "sampler_logps", "ratio")
@@ -112,3 +112,22 @@ def completion_rows(tokenizer, prompts, completion_ids, mask, scores, advantages
             row[key] = None if values is None else values[i, :n].tolist()
         rows.append(row)
     return rows
+
+
+def log_batch_completions(run_dir, step, tokenizer, batch, scores, stop_ids, logps, groups=1):
+    """A trainer's call: `groups` groups of the collated batch it just trained on (grpo_train.collate)
+    to run_dir/completions.jsonl, with the trainer's per-token log-probs `logps` (Q*G, C) and, where
+    another engine sampled (batch["old_logps"], vLLM's), the sampler's and the ratio pi_trainer / pi_sampler.
+    scores: each completion's reward breakdown, in the batch's order."""
+    from grpo_math import completion_mask
+    Q = batch["prompt_ids"].size(0)
+    G = batch["completion_ids"].size(0) // Q
+    prompts = [tokenizer.decode(ids[m.bool()], skip_special_tokens=False)
+               for ids, m in zip(batch["prompt_ids"].cpu(), batch["prompt_mask"].cpu())]
+    logps = logps.float().cpu()
+    sampler = batch["old_logps"].float().cpu() if "old_logps" in batch else None
+    rows = completion_rows(tokenizer, prompts, batch["completion_ids"].cpu(),
+                           completion_mask(batch["completion_ids"].cpu(), stop_ids), scores,
+                           batch["advantages"].cpu(), G, logps=logps, sampler_logps=sampler,
+                           ratio=None if sampler is None else torch.exp(logps - sampler), groups=groups)
+    log_completions(os.path.join(run_dir, "completions.jsonl"), step, rows)

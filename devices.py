@@ -66,6 +66,15 @@ def collective_device():
     return torch.device(types[0], index)
 
 
+def max_over_ranks(value):
+    """The largest of the ranks' values, the same on every rank: they stop and save together."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    t = torch.tensor([float(value)], device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def check_shared_memory(nbytes, path="/dev/shm"):
     """Stop with a clear message unless `path` has room for nbytes (the weight sync's two buffers).
     A container's default /dev/shm is 64 MB; the buffers hold the whole model twice."""

@@ -78,8 +78,9 @@ def prefill_prompts(model, prompt_ids, prompt_mask, copies):
     return out
 
 
-def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, temperature=1.0, impl="torch"):
-    """Per-token log-probs of the completion tokens under `model`, (Q*G, C).
+def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, temperature=1.0, impl="torch", entropy=False):
+    """Per-token log-probs of the completion tokens under `model`, (Q*G, C); with entropy=True,
+    also the entropy of each position's distribution (token_entropy), from the same logits.
 
     prompt_ids (Q, P) are left-padded; completion_ids (Q*G, C) are right-padded, the G
     completions of each prompt one after another (G = 1 is a plain batch). The G
@@ -98,7 +99,7 @@ def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, temperature=1
         mask = torch.cat([prompt_mask.repeat_interleave(G, dim=0), torch.ones_like(completion_ids)], dim=1)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
                        use_cache=False, logits_to_keep=C + 1).logits[:, :-1]  # position P-1+t predicts token t
-        return log_probs_of(logits, completion_ids, temperature, impl)
+        return log_probs_of(logits, completion_ids, temperature, impl, entropy)
     # 1. the prompts, once each; the last prompt logit predicts the first completion token
     out = prefill_prompts(model, prompt_ids, prompt_mask, G)
     logits = [out.logits.repeat_interleave(G, dim=0)]
@@ -108,16 +109,39 @@ def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, temperature=1
         positions = prompt_mask.sum(1).repeat_interleave(G)[:, None] + torch.arange(C - 1, device=mask.device)
         logits.append(model(input_ids=completion_ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions,
                             past_key_values=out.past_key_values, use_cache=True).logits)
-    return log_probs_of(torch.cat(logits, dim=1), completion_ids, temperature, impl)
+    return log_probs_of(torch.cat(logits, dim=1), completion_ids, temperature, impl, entropy)
 
 
-def log_probs_of(logits, token_ids, temperature, impl="torch"):
+def log_probs_of(logits, token_ids, temperature, impl="torch", entropy=False):
     """log softmax(logits / T)[token_ids] by the torch path or, with impl "triton", one fused
-    kernel per pass (triton_loss/): the same numbers."""
+    kernel per pass (triton_loss/): the same numbers. entropy=True: (logps, token_entropy)."""
     if impl == "triton":
         from triton_loss import selective_log_softmax_triton
-        return selective_log_softmax_triton(logits, token_ids, temperature)
-    return selective_log_softmax(logits, token_ids, temperature)
+        logps = selective_log_softmax_triton(logits, token_ids, temperature)
+    else:
+        logps = selective_log_softmax(logits, token_ids, temperature)
+    return (logps, token_entropy(logits, temperature)) if entropy else logps
+
+
+@torch.no_grad()
+def token_entropy(logits, temperature=1.0, chunk_rows=None):
+    """The entropy -sum_v p_v log p_v of each position's sampling distribution p = softmax(logits / T),
+    (B, T, V) -> (B, T), a few rows at a time: H = logsumexp(x) - sum_v p_v x_v with x = logits / T.
+    A diagnostic (TRL's "entropy"): how sure the policy is; no gradient flows through it."""
+    V = logits.size(-1)
+    rows = logits.reshape(-1, V)
+    chunk_rows = chunk_rows or max(1, (1 << 22) // V)
+    out = torch.empty(rows.size(0), device=logits.device)
+    for i in range(0, rows.size(0), chunk_rows):
+        x = rows[i:i + chunk_rows].float() / temperature
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)
+        out[i:i + chunk_rows] = lse.squeeze(-1) - (torch.exp(x - lse) * x).sum(-1)
+    return out.view(logits.shape[:-1])
+
+
+def is_truncated(completion_ids, stop_ids):
+    """True for each completion cut off at the length limit: no stop token anywhere in it, (B,)."""
+    return ~torch.isin(completion_ids, torch.as_tensor(stop_ids, device=completion_ids.device)).any(1)
 
 
 def completion_mask(completion_ids, stop_ids, mask_truncated=False):
@@ -258,15 +282,25 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, completion_mask, *, beta=
 
     with torch.no_grad():
         A, n = advantages[:, None], mask.sum().clamp(min=1)
+        # tokens whose gradient the clip removed, below 1 - epsilon (A < 0) and above 1 + epsilon_high (A > 0);
+        # cispo caps the weight of every token above 1 + epsilon_high, whatever its advantage
         high = ratio > 1 + epsilon_high
-        was_clipped = high if loss_type == "cispo" else ((ratio < 1 - epsilon) & (A < 0)) | (high & (A > 0))
+        clipped_low = (ratio < 1 - epsilon) & (A < 0) if loss_type != "cispo" else torch.zeros_like(high)
+        clipped_high = high if loss_type == "cispo" else high & (A > 0)
+        on = mask.bool()
         stats = {"kl": ((kl * mask).sum() / n).item(),
-                 "clip_fraction": ((was_clipped.float() * mask).sum() / n).item(),
-                 "ratio_mean": ((ratio * mask).sum() / n).item()}
+                 "clip_fraction": (((clipped_low | clipped_high).float() * mask).sum() / n).item(),
+                 "clip_low_frac": ((clipped_low.float() * mask).sum() / n).item(),
+                 "clip_high_frac": ((clipped_high.float() * mask).sum() / n).item(),
+                 "ratio_mean": ((ratio * mask).sum() / n).item(),
+                 "ratio_min": ratio[on].min().item() if on.any() else 1.0,
+                 "ratio_max": ratio[on].max().item() if on.any() else 1.0}
         if sampler_logps is not None:  # how far the sampler's numbers are from the trainer's (policy lag included)
-            gap, on = (old_logps - sampler_logps).abs(), mask.bool()
+            gap = (old_logps - sampler_logps).abs()
             stats.update(sampler_gap_mean=((gap * mask).sum() / n).item(),
                          sampler_gap_max=gap[on].max().item() if on.any() else 0.0,
                          is_weight_mean=((is_weight * mask).sum() / n).item(),
+                         is_weight_min=is_weight[on].min().item() if on.any() else 1.0,
+                         is_weight_max=is_weight[on].max().item() if on.any() else 1.0,
                          is_truncated_frac=(((is_weight >= tis_cap).float() * mask).sum() / n).item())
     return loss, stats

@@ -26,11 +26,15 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
+from completions_log import log_batch_completions
 from data import load_problems, make_prompt, stop_token_ids
-from grpo_math import LOSS_TYPES, completion_mask, group_advantages, grpo_loss, prefill_prompts, sequence_logps
+from devices import max_over_ranks
+from doctor import RunDoctor, batch_summary, parse_stop_on
+from grpo_math import (LOSS_TYPES, completion_mask, group_advantages, grpo_loss, is_truncated, prefill_prompts,
+                       sequence_logps)
 from checkpoint import open_run, save_checkpoint
 from ds_config import deepspeed_config, uses_bf16, zero_stage
-from metrics import finish_run, log_step
+from metrics import Tracker, finish_run, log_step
 from protocol import post_groups, ref_request, take_group
 from rewards import load_reward_file, parse_reward_spec, reference_answer, score
 from triton_loss import choose_loss_impl
@@ -87,6 +91,19 @@ class Config:
     ref_timeout: float = 120.0  # seconds to wait for a finished group (or for room in a full queue)
     peer_timeout: float = 30.0  # seconds the ref server may not answer at all before the run stops
     resume: bool = False  # continue runs/RUN_NAME from its latest checkpoint
+    log_completions_every: int = 10  # every N steps, one group's completions to runs/NAME/completions.jsonl (0: never)
+    report_to: str = "none"  # none, tensorboard or wandb: also send the metrics there (metrics.jsonl is always written)
+    preflight: bool = False  # first run tools/probe.py on preflight_n problems; stop if no group would have signal
+    preflight_n: int = 64  # problems the pre-flight probe samples
+    # the run doctor (doctor.py): warnings in plain words; --stop_on no_signal,kl,... stops the run when one fires
+    stop_on: str = ""  # rules that stop the run: no_signal, kl, entropy, truncated, mismatch, ratio (comma-separated)
+    doctor_window: int = 10  # batches in a row with no signal (no_signal), and steps the other rules average over
+    doctor_kl_max: float = 5.0  # kl: KL to the reference above this (the tiny demo peaks near 1.3)
+    doctor_kl_jump: float = 20.0  # kl: or above 1 and this many times its mean over the window before
+    doctor_entropy_drop: float = 0.1  # entropy: the window's mean below this fraction of the first window's
+    doctor_truncated_max: float = 0.5  # truncated: more than this share of completions cut off at max_new_tokens
+    doctor_gap_max: float = 0.1  # mismatch: vLLM vs trainer log-prob gap per token (bf16 SmolLM2: ~0.03)
+    doctor_ratio_band: float = 0.1  # ratio: the window's mean importance ratio further than this from 1
     local_rank: int = -1  # set by the deepspeed launcher
 
 
@@ -104,6 +121,8 @@ def check_options(cfg):
             raise SystemExit(f"unknown --{flag} {getattr(cfg, flag)!r}: use one of {', '.join(allowed)}")
     if cfg.reward_file:
         load_reward_file(cfg.reward_file)
+    parse_stop_on(cfg.stop_on)
+    Tracker.check(cfg.report_to)
     # the DeepSpeed config, once: a --deepspeed file can change the stage, dtype and lr the rest reads
     ds_config, notes = deepspeed_config(cfg, type(cfg)())
     for note in notes:
@@ -147,10 +166,11 @@ def score_groups(completions, problems, G, weights):
 
 
 def make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, old_logps=None, keep_equal=False,
-                scale_rewards="group"):
+                scale_rewards="group", scores=None):
     """One group (tensors, meta) per prompt whose rewards differ, ready to post, and has_signal (Q,).
     A group whose rewards are all equal teaches nothing (every advantage is 0): it is dropped,
-    unless keep_equal (regroup_ver/ pools it with other answers to the same question)."""
+    unless keep_equal (regroup_ver/ pools it with other answers to the same question). scores: each
+    completion's reward breakdown (rewards.score), carried in the group's meta for the completions log."""
     advantages = group_advantages(rewards, G, scale_rewards)
     has_signal = rewards.view(-1, G).std(1) > 0
     groups = []
@@ -161,25 +181,40 @@ def make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, old_logps=N
                    "rewards": rewards[rows].float(), "advantages": advantages[rows].float()}
         if old_logps is not None:
             tensors["old_logps"] = old_logps[rows, :C].float()
-        groups.append((tensors, dict(meta)))
+        groups.append((tensors, dict(meta, **({"scores": scores[rows]} if scores else {}))))
     return groups, has_signal
 
 
-def rollout_stats(rewards, scores, mask, has_signal, gen_s):
-    """What one step's rollouts say, for the log: all groups, dropped ones included."""
-    each = {f"reward_{name}": sum(s[name] for s in scores) / len(scores) for name in scores[0] if name != "reward"}
+def rollout_stats(rewards, scores, mask, has_signal, gen_s, truncated):
+    """What one step's rollouts say, for the log: all groups, dropped ones included. truncated (Q*G,):
+    the completions cut off at max_new_tokens (grpo_math.is_truncated)."""
+    each = {}
+    for name in (n for n in scores[0] if n != "reward"):  # each reward function's mean and spread
+        values = torch.tensor([s[name] for s in scores], dtype=torch.float)
+        each.update({f"reward_{name}": values.mean().item(), f"reward_{name}_std": values.std().item()})
+    lengths = mask.sum(1)
     return {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(), **each,
             "accuracy": sum(s["correctness"] for s in scores) / len(scores),
             "format_rate": sum(s["format"] for s in scores) / len(scores),
-            "completion_len": mask.sum(1).mean().item(), "zero_var_frac": 1 - has_signal.float().mean().item(),
+            "completion_len": lengths.mean().item(), "completion_len_min": int(lengths.min()),
+            "completion_len_max": int(lengths.max()), "truncated_frac": truncated.float().mean().item(),
+            "zero_var_frac": 1 - has_signal.float().mean().item(),
             "tokens_per_s": mask.sum().item() / gen_s, "gen_s": gen_s}
 
 
 # ---------------------------------------------------------------------------- the reference server
-def get_ref_logps(cfg, groups, run_id):
-    """Post each group, take the finished groups back (FIFO) with ref_logps added."""
+def get_ref_logps(cfg, groups, run_id, bar):
+    """Post each group, take the finished groups back (FIFO) with ref_logps added; the bar says so."""
+    bar.set_description_str(f"posting {len(groups)} groups to the ref server")
     post_groups(cfg, groups)
-    return [take_group(cfg, run_id)[0] for _ in groups]
+    finished = []
+    for i in range(len(groups)):
+        def waiting(waited_s):
+            bar.set_description_str(f"waiting for the ref server's log-probs: group {i + 1}/{len(groups)} "
+                                    f"({waited_s:.0f} s, gives up after {cfg.ref_timeout:.0f} s)")
+        finished.append(take_group(cfg, run_id, cfg.ref_timeout, waiting)[0])
+    bar.set_description_str("grpo")
+    return finished
 
 
 def collate(groups, pad_id):
@@ -206,6 +241,18 @@ def grad_norm(engine):
     None under ZeRO 1-3, which partition them and keep the norm in the engine after step()."""
     grads = [p.grad.norm() for p in engine.module.parameters() if p.grad is not None]
     return torch.stack(grads).norm().item() if grads else None
+
+
+def add_part_stats(stats, part, share):
+    """Fold one micro-batch's diagnostics into the step's: *_min and *_max keep the extremes, the rest
+    are token means, weighted by the part's share of the step's tokens."""
+    for key, value in part.items():
+        if key.endswith("_max"):
+            stats[key] = max(stats.get(key, value), value)
+        elif key.endswith("_min"):
+            stats[key] = min(stats.get(key, value), value)
+        else:
+            stats[key] = stats.get(key, 0.0) + value * share
 
 
 def setup_distributed():
@@ -261,7 +308,7 @@ def make_engine(cfg):
 
 
 def grpo_update(engine, batch, cfg, stop_ids, weight=1.0):
-    """The GRPO update on one collated batch; returns the loss's diagnostics.
+    """The GRPO update on one collated batch: the loss's diagnostics, and the per-token log-probs.
 
     old_logps are the current policy's own log-probs (ratio 1 on the first iteration). When
     another engine sampled (vLLM, batch["old_logps"]: its own log-probs, of an older policy in
@@ -271,7 +318,8 @@ def grpo_update(engine, batch, cfg, stop_ids, weight=1.0):
     second on, the ratio moves off 1 and the clip bounds the update. With micro_batch_groups,
     forward and backward go a few groups at a time and the gradients add up to the whole
     batch's (each part's loss weighted by its share), for one optimizer step. weight 0: take part
-    in the step's collectives (several ranks) with no gradient of one's own."""
+    in the step's collectives (several ranks) with no gradient of one's own. Returns the stats and
+    the last iteration's per-token log-probs (for the completions log)."""
     batch = {k: v.to(engine.device) for k, v in batch.items()}
     mask = completion_mask(batch["completion_ids"], stop_ids, cfg.mask_truncated_completions)
     Q = batch["prompt_ids"].size(0)
@@ -283,11 +331,12 @@ def grpo_update(engine, batch, cfg, stop_ids, weight=1.0):
     if old_logps is not None and tis_cap > 0:
         old_logps, sampler_logps = None, old_logps
     for _ in range(cfg.num_iterations):
-        loss, stats, new_logps = 0.0, {}, []
+        loss, stats, new_logps, entropy = 0.0, {}, [], 0.0
         for i, (q0, q1) in enumerate(parts):
             rows = slice(q0 * G, q1 * G)
-            logps = sequence_logps(engine, batch["prompt_ids"][q0:q1], batch["prompt_mask"][q0:q1],
-                                   batch["completion_ids"][rows], cfg.temperature, impl=cfg.loss_impl)
+            logps, part_entropy = sequence_logps(engine, batch["prompt_ids"][q0:q1], batch["prompt_mask"][q0:q1],
+                                                 batch["completion_ids"][rows], cfg.temperature, impl=cfg.loss_impl,
+                                                 entropy=True)
             new_logps.append(logps.detach())
             ref = batch["ref_logps"][rows] if "ref_logps" in batch else None
             part_loss, part_stats = grpo_loss(
@@ -300,9 +349,8 @@ def grpo_update(engine, batch, cfg, stop_ids, weight=1.0):
             engine.set_gradient_accumulation_boundary(i == len(parts) - 1)  # one optimizer step after the last
             engine.backward(part_loss * share)
             loss += part_loss.item() * share
-            tokens = (mask[rows].sum() / mask.sum().clamp(min=1)).item()  # the diagnostics are token means
-            stats = {k: max(stats.get(k, v), v) if k.endswith("_max") else stats.get(k, 0.0) + v * tokens
-                     for k, v in part_stats.items()}
+            add_part_stats(stats, part_stats, (mask[rows].sum() / mask.sum().clamp(min=1)).item())
+            entropy += (part_entropy * mask[rows]).sum().item()
         old_logps = torch.cat(new_logps) if old_logps is None else old_logps
         # one NaN or inf in an update would reach every weight through Adam's moments: skip it.
         # ZeRO 0 leaves the gradients whole on the parameters, where we check them; ZeRO 1-3
@@ -314,12 +362,34 @@ def grpo_update(engine, batch, cfg, stop_ids, weight=1.0):
             continue
         engine.step()
         skipped += not engine.was_step_applied()
-    stats["loss"] = loss
+    stats["loss"], stats["entropy"] = loss, entropy / mask.sum().clamp(min=1).item()
+    stats["lr"], stats["tokens"] = engine.get_lr()[0], int(mask.sum())  # tokens: completion tokens trained on
     stats["grad_norm"] = norm if norm is not None else float(engine.get_global_grad_norm() or 0.0)
     if skipped == cfg.num_iterations:
         stats["grad_norm"] = None  # no update was taken
     stats["skipped_updates"] = int(skipped)
-    return stats
+    return stats, torch.cat(new_logps)
+
+
+def preflight(cfg):
+    """--preflight: tools/probe.py on the first preflight_n problems, in a process of its own (its vLLM
+    engine and memory go when it ends). Stops here when no group would have any reward variance."""
+    import json
+    import subprocess
+    import sys
+    flags = ["model", "dataset", "dataset_config", "split", "question_field", "answer_field", "prompt_format",
+             "num_generations", "max_new_tokens", "temperature", "dtype", "seed", "reward_funcs", "reward_weights",
+             "reward_file"]
+    args = [f"--{flag}={getattr(cfg, flag)}" for flag in flags] + [f"--n={cfg.preflight_n}"]
+    print(f"pre-flight: probing {cfg.preflight_n} problems x {cfg.num_generations} completions (tools/probe.py)")
+    probe = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools", "probe.py")
+    out = subprocess.run([sys.executable, probe, *args], stdout=subprocess.PIPE, text=True)
+    print(out.stdout, end="")
+    if out.returncode != 0:
+        raise SystemExit(f"pre-flight probe failed with exit code {out.returncode} (its output is above)")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if result["zero_var_frac"] >= 1.0:
+        raise SystemExit(f"pre-flight: {result['verdict']}. Not training (run without --preflight to train anyway)")
 
 
 def main(cfg: Config):
@@ -327,6 +397,8 @@ def main(cfg: Config):
     show_plan(cfg)
     if cfg.beta != 0:
         ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent
+    if cfg.preflight and int(os.environ.get("RANK", "0")) == 0:
+        preflight(cfg)
     engine, tokenizer = make_engine(cfg)
     rank, world, B = engine.global_rank, engine.world_size, cfg.batch_prompts
     torch.manual_seed(cfg.seed + rank)  # each rank samples its own completions (a resume restores this state)
@@ -339,6 +411,8 @@ def main(cfg: Config):
     # several ranks (deepspeed --num_gpus N, torchrun): each takes its share of the step's problems
     # and samples with its own seed; DeepSpeed averages their gradients into one step
     synced = cfg.zero_stage == 3 and world > 1  # ZeRO-3 gathers weights in every forward: all ranks run as many
+    doctor = RunDoctor(cfg, metrics_path) if rank == 0 else None  # plain-language warnings (doctor.py)
+    tracker = Tracker(cfg, run_dir) if rank == 0 else None  # --report_to tensorboard/wandb
 
     bar = tqdm(range(first_step, cfg.steps + 1), desc="grpo", initial=first_step - 1, total=cfg.steps,
                disable=rank != 0)
@@ -358,7 +432,7 @@ def main(cfg: Config):
         prompt_rows = [ids[m.bool()] for ids, m in zip(prompt_ids, prompt_mask)]
         meta = {"run_id": run_id, "policy_version": step, "temperature": cfg.temperature}
         groups, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G, meta,
-                                         keep_equal=world > 1, scale_rewards=cfg.scale_rewards)
+                                         keep_equal=world > 1, scale_rewards=cfg.scale_rewards, scores=scores)
         weight = 1.0
         if world > 1:  # every rank must take part in the step: one with no signal trains a group at weight 0
             weight = float(has_signal.any())
@@ -368,23 +442,33 @@ def main(cfg: Config):
         stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 1.0, "grad_norm": 0.0}
         t1 = time.time()
         if groups:
-            finished = get_ref_logps(cfg, groups, run_id) if cfg.beta != 0 else [t for t, _ in groups]
+            finished = get_ref_logps(cfg, groups, run_id, bar) if cfg.beta != 0 else [t for t, _ in groups]
             batch = collate(finished, tokenizer.pad_token_id)
             t2 = time.time()
-            stats = grpo_update(engine, batch, cfg, stop_ids, weight)
+            stats, logps = grpo_update(engine, batch, cfg, stop_ids, weight)
         ref_s, compute_s = (t2 - t1, time.time() - t2) if groups else (0.0, 0.0)
 
-        # log what we measured
-        record = {"step": step, **rollout_stats(rewards, scores, mask, has_signal, gen_s), **stats,
-                  "ref_s": ref_s, "compute_s": compute_s, "step_s": time.time() - t0}
+        # log what we measured, a few completions, and what the run doctor makes of it
+        record = {"step": step, **rollout_stats(rewards, scores, mask, has_signal, gen_s,
+                                                is_truncated(completion_ids, stop_ids)),
+                  **stats, "ref_s": ref_s, "compute_s": compute_s, "step_s": time.time() - t0}
+        stop = None
         if rank == 0:  # rank 0's own rollouts and loss
-            log_step(metrics_path, record)
+            log_step(metrics_path, record, tracker)
+            if groups and weight and cfg.log_completions_every and step % cfg.log_completions_every == 0:
+                log_batch_completions(run_dir, step, tokenizer, batch, [s for _, m in groups for s in m["scores"]],
+                                      stop_ids, logps)
+            stop = doctor.batch(batch_summary(rewards, scores, texts, has_signal), step) or doctor.step(record)
         bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['accuracy']:.2f}",
                         fmt=f"{record['format_rate']:.2f}", kl=f"{record['kl']:.3f}")
-        if step % cfg.save_every == 0 or step == cfg.steps:
+        stopping = bool(max_over_ranks(stop is not None))  # every rank stops with rank 0's doctor
+        if step % cfg.save_every == 0 or step == cfg.steps or stopping:
             save_checkpoint(engine, tokenizer, run_dir, step, {"data_rng": rng.getstate()})
+        if stopping:
+            finish_run(run_dir, step, rank, tracker)
+            raise SystemExit(stop or "stopped: rank 0's run doctor stopped the run")
 
-    finish_run(run_dir, cfg.steps, rank)
+    finish_run(run_dir, cfg.steps, rank, tracker)
 
 
 if __name__ == "__main__":

@@ -39,13 +39,16 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 from data import make_prompt, stop_token_ids
-from devices import check_shared_memory, collective_device, generation_gpus, physical_gpus, visible_gpus
-from grpo_math import completion_mask
+from devices import check_shared_memory, generation_gpus, max_over_ranks, physical_gpus, visible_gpus
+from completions_log import log_batch_completions
+from doctor import RunDoctor, batch_summary
+from grpo_math import completion_mask, is_truncated
+from progress import WorkerProgress
 from rewards import extract_answer
 from checkpoint import open_run, save_checkpoint
 from grpo_train import (Config as TrainConfig, check_options, collate, grpo_update, load_data, make_engine, make_groups,
-                        rollout_stats, score_groups, show_plan)
-from metrics import finish_run, log_step
+                        preflight, rollout_stats, score_groups, show_plan)
+from metrics import Tracker, finish_run, log_step
 from protocol import post_groups, ref_request, take_group
 
 
@@ -70,6 +73,9 @@ class Config(TrainConfig):
     # its answers differ; ref_server_regroup.py pools the answers and serves groups with mixed rewards
     regroup: bool = False
     max_completions: int = 0  # stop once the worker has generated this many completions (0: run all --steps)
+    startup_timeout: float = 1200.0  # seconds the generation worker may take to start vLLM (load, compile)
+    # seconds the trainer waits for its next batch once vLLM is up (and the worker for new weights)
+    data_timeout: float = 600.0
 
 
 # ---------------------------------------------------------------------------- vLLM helpers
@@ -182,9 +188,10 @@ def receive_weights(llm, message, shared, loaded):
 
 
 # ---------------------------------------------------------------------------- generation worker
-def gen_worker(cfg, run_id, ranks, weights_queue, groups_queue, loaded, stop, parent_pid):
+def gen_worker(cfg, run_id, ranks, weights_queue, groups_queue, status_queue, loaded, stop, parent_pid):
     """The worker process: sample, score, post groups to the ref server (or, with beta 0, hand
-    them to the trainer through groups_queue) for the trainer ranks `ranks`; take new weights."""
+    them to the trainer through groups_queue) for the trainer ranks `ranks`; take new weights.
+    Every batch, kept or dropped, is reported on status_queue (progress.py)."""
     def watch_parent():  # a trainer killed without clean-up must not leave this process behind
         while os.getppid() == parent_pid:
             time.sleep(1)
@@ -193,7 +200,9 @@ def gen_worker(cfg, run_id, ranks, weights_queue, groups_queue, loaded, stop, pa
 
     # the trainer notices a dead ref server first, and names it, if this process waits longer
     cfg = dataclasses.replace(cfg, peer_timeout=cfg.peer_timeout + 15)
+    t0 = time.time()
     llm = start_vllm(cfg)
+    status_queue.put(("ready", time.time() - t0))
     logging.getLogger("vllm").setLevel(logging.ERROR)  # started: its per-reload notes would flood the log
     tokenizer = llm.get_tokenizer()
     stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)
@@ -205,6 +214,7 @@ def gen_worker(cfg, run_id, ranks, weights_queue, groups_queue, loaded, stop, pa
     generated, ask_again = 0, []  # completions made so far; regroup: questions to ask once more
     world = int(os.environ.get("WORLD_SIZE", "1"))
     n = len(ranks)  # batch b goes to rank ranks[b % n]
+    waiting_since = None  # when the worker began waiting for new weights
     while not stop.is_set():
         # bounded staleness: batch b is trained at trainer step b+1, by weights of version b
         # (regroup: the server evicts old answers instead, and answers 503 when enough are ready)
@@ -213,6 +223,10 @@ def gen_worker(cfg, run_id, ranks, weights_queue, groups_queue, loaded, stop, pa
             message = weights_queue.get(timeout=1.0) if must_wait else weights_queue.get_nowait()
         except queue.Empty:
             message = None
+        waiting_since = (waiting_since or time.time()) if must_wait and message is None else None
+        if waiting_since is not None and time.time() - waiting_since > cfg.data_timeout:
+            raise SystemExit(f"generation worker: no new weights from the trainer in {cfg.data_timeout:.0f} s "
+                             f"(it has version {version}, needs {batch // n - cfg.max_policy_lag})")
         if message is not None and message[0] == "resume":  # continue at the checkpoint's step and data
             _, batch, draws = message
             for _ in range(draws):
@@ -236,10 +250,11 @@ def gen_worker(cfg, run_id, ranks, weights_queue, groups_queue, loaded, stop, pa
         meta = {"run_id": rank_run_id(run_id, ranks[batch % n], world, cfg.regroup), "policy_version": version,
                 "temperature": cfg.temperature}
         groups, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, old_logps,
-                                         keep_equal=cfg.regroup, scale_rewards=cfg.scale_rewards)
+                                         keep_equal=cfg.regroup, scale_rewards=cfg.scale_rewards, scores=scores)
         generated += completion_ids.size(0)
-        stats = {**rollout_stats(rewards, scores, mask, has_signal, gen_s), "weights_load_s": load_s,
-                 "generated": generated}
+        stats = {**rollout_stats(rewards, scores, mask, has_signal, gen_s, is_truncated(completion_ids, stop_ids)),
+                 "weights_load_s": load_s, "generated": generated}
+        status_queue.put(("batch", {**batch_summary(rewards, scores, texts, has_signal), "posted": len(groups)}))
         if cfg.regroup:  # a second round for the fresh questions whose answers all scored alike but
             # differ: the model is unsure of those, and another round may bring another reward
             answers = [extract_answer(text) for text in texts]
@@ -271,30 +286,19 @@ def sync_weights(sender, engine, version, cfg, check_alive):
             pass
 
 
-def max_over_ranks(value):
-    """The largest of the ranks' values, the same on every rank: they stop and save together."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return value
-    t = torch.tensor([float(value)], device=collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
 def uses_ref_server(cfg):
     """The KL term needs the reference server's log-probs; regrouping needs its pools."""
     return cfg.beta != 0 or cfg.regroup
 
 
-def take_local_group(groups_queue, check_alive, timeout):
-    """take_group's local twin (beta 0): the worker's next group, waiting for it."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        check_alive()
+def take_local_group(groups_queue, waiting):
+    """take_group's local twin (beta 0): the worker's next group; waiting(waited_s) runs while none is there."""
+    start = time.time()
+    while True:
         try:
             return groups_queue.get(timeout=1.0)
         except queue.Empty:
-            pass
-    raise SystemExit(f"no group from the generation worker in {timeout:.0f} s")
+            waiting(time.time() - start)
 
 
 def local_world_size(default):
@@ -312,7 +316,8 @@ def start_worker(cfg, run_id, ranks):
     """Spawn a generation worker for the trainer ranks `ranks` on its own device(s) (CUDA) or its
     own cores (CPU)."""
     ctx = mp.get_context("spawn")
-    weights_queue, groups_queue, loaded, stop = ctx.Queue(), ctx.Queue(), ctx.Value("i", 0), ctx.Event()
+    weights_queue, groups_queue, status_queue = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    loaded, stop = ctx.Value("i", 0), ctx.Event()
     env = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
     if torch.cuda.is_available():
         # this node's trainer ranks use the first local_size visible GPUs; vLLM takes gen_tp GPUs by
@@ -330,13 +335,13 @@ def start_worker(cfg, run_id, ranks):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # a spawned child takes the parent's environment at start
     try:
-        worker = ctx.Process(target=gen_worker, args=(cfg, run_id, ranks, weights_queue, groups_queue, loaded, stop,
-                                                      os.getpid()), name="gen_worker")
+        worker = ctx.Process(target=gen_worker, args=(cfg, run_id, ranks, weights_queue, groups_queue, status_queue,
+                                                      loaded, stop, os.getpid()), name="gen_worker")
         worker.start()
     finally:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    return worker, WeightSender(weights_queue, loaded), groups_queue, stop
+    return worker, WeightSender(weights_queue, loaded), groups_queue, status_queue, stop
 
 
 def stop_worker(worker, stop):
@@ -363,13 +368,16 @@ def main(cfg: Config):
     show_plan(cfg)
     if uses_ref_server(cfg):
         ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent
+    if cfg.preflight and rank == 0:
+        preflight(cfg)
     run_id = uuid.uuid4().hex  # tells this run's groups from any another run left in the server
     # one worker per gen_every ranks (default: per node, on its local rank 0) serves those ranks
     every = cfg.gen_every or local_world_size(world)
     served = list(range(rank, min(rank + every, world)))
     if cfg.regroup and every < world:
         raise SystemExit("--regroup takes one generation worker: set --gen_every to the number of ranks")
-    worker, sender, groups_queue, stop = start_worker(cfg, run_id, served) if rank % every == 0 else (None,) * 4
+    worker, sender, groups_queue, status_queue, stop_event = (start_worker(cfg, run_id, served) if rank % every == 0
+                                                              else (None,) * 5)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on `kill` too
 
     def check_worker():
@@ -378,9 +386,22 @@ def main(cfg: Config):
                              f"see its log above")
 
     def take(step):
+        """The next group for this rank; while it waits, the bar says what for and the worker's progress."""
+        def waiting(waited_s):
+            check_worker()
+            if progress is None:  # a rank without a worker: another rank's worker fills the ref server
+                deadline = cfg.data_timeout + (cfg.startup_timeout if step == first_step else 0)
+                if waited_s > deadline:
+                    raise SystemExit(f"no batch for rank {rank} came from the ref server in {deadline:.0f} s")
+                return
+            stop = progress.update(step)
+            if stop:
+                raise SystemExit(stop)
+            bar.set_description_str(progress.describe(step, waited_s))
+            progress.check_deadline(waited_s)
         if uses_ref_server(cfg):
-            return take_group(cfg, rank_run_id(run_id, rank, world, cfg.regroup), check_worker, step - 1)
-        return take_local_group(groups_queue, check_worker, cfg.ref_timeout)
+            return take_group(cfg, rank_run_id(run_id, rank, world, cfg.regroup), None, waiting, step - 1)
+        return take_local_group(groups_queue, waiting)
 
     try:
         engine, tokenizer = make_engine(cfg)
@@ -390,13 +411,16 @@ def main(cfg: Config):
             run_id = run_ids[rank - rank % every]
         run_dir, metrics_path, first_step, state = open_run(cfg, engine)
         stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)
+        doctor = RunDoctor(cfg, metrics_path) if rank == 0 else None  # plain-language warnings (doctor.py)
+        progress = WorkerProgress(status_queue, cfg, doctor) if worker is not None else None  # progress.py
+        tracker = Tracker(cfg, run_dir) if rank == 0 else None  # --report_to tensorboard/wandb
         if state is not None:  # resuming: the worker takes up the checkpoint's data position and weights
             if sender is not None:
                 sender.queue.put(("resume", (first_step - 1) * len(served), state["draws"]))
             sync_weights(sender, engine, first_step - 1, cfg, check_worker)
         bar = tqdm(range(first_step, cfg.steps + 1), desc="grpo (vllm)", initial=first_step - 1, total=cfg.steps,
                    disable=rank != 0)
-        generated, trained = 0, 0  # completions: made by the worker, in a trained group
+        generated, trained, stop = 0, 0, None  # completions: made by the worker, in a trained group; doctor's stop
         for step in bar:
             # 1. the next batch of groups the worker made, with ref_logps from the server
             t0 = time.time()
@@ -405,12 +429,14 @@ def main(cfg: Config):
             taken += [take(step) for _ in range(n_groups - 1)]
             groups, metas = [g for g, _ in taken], [m for _, m in taken]
             wait_s = time.time() - t0
+            bar.set_description_str("grpo (vllm)")
             meta, oldest = metas[-1], min(m["policy_version"] for m in metas)
             trained += sum(g["completion_ids"].size(0) for g in groups)
             generated = max([generated] + [m["stats"]["generated"] for m in metas])
 
             # 2. the GRPO update; old_logps are vLLM's, from the policy version that sampled
-            stats = grpo_update(engine, collate(groups, tokenizer.pad_token_id), cfg, stop_ids)
+            batch = collate(groups, tokenizer.pad_token_id)
+            stats, logps = grpo_update(engine, batch, cfg, stop_ids)
             compute_s = time.time() - t0 - wait_s
 
             # 3. new weights to the worker, in memory
@@ -420,11 +446,16 @@ def main(cfg: Config):
                       "generated": generated, "trained": trained,
                       "wait_s": wait_s, "compute_s": compute_s, "sync_s": time.time() - t0 - wait_s - compute_s,
                       "step_s": time.time() - t0}
-            if rank == 0:  # rank 0's own batch and loss
-                log_step(metrics_path, record)
+            stop = progress.update(step) if progress is not None else None  # the batches made meanwhile
+            if rank == 0:  # rank 0's own batch and loss, a few of its completions, what the doctor makes of them
+                log_step(metrics_path, record, tracker)
+                if cfg.log_completions_every and step % cfg.log_completions_every == 0:
+                    log_batch_completions(run_dir, step, tokenizer, batch, [s for m in metas for s in m["scores"]],
+                                          stop_ids, logps)
+                stop = doctor.step(record) or stop
             bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['accuracy']:.2f}",
                             kl=f"{record['kl']:.3f}", lag=record["policy_lag"], wait=f"{wait_s:.2f}")
-            last = bool(max_over_ranks(step == cfg.steps or 0 < cfg.max_completions <= generated))
+            last = bool(max_over_ranks(step == cfg.steps or 0 < cfg.max_completions <= generated or bool(stop)))
             if step % cfg.save_every == 0 or last:  # the data position after every rank's batch
                 draws = int(max_over_ranks(meta["draws"]))
                 save_checkpoint(engine, tokenizer, run_dir, step, {"draws": draws})
@@ -432,8 +463,10 @@ def main(cfg: Config):
                 break
     finally:
         if worker is not None:
-            stop_worker(worker, stop)
-    finish_run(run_dir, step, rank)
+            stop_worker(worker, stop_event)
+    finish_run(run_dir, step, rank, tracker)
+    if stop:
+        raise SystemExit(stop)
 
 
 if __name__ == "__main__":

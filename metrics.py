@@ -1,42 +1,138 @@
-"""The run's log: one JSON line per step in runs/NAME/metrics.jsonl, and its curves in curves.png."""
+"""The run's log: one JSON line per step in runs/NAME/metrics.jsonl, its curves in curves.png, and
+at the end report.html (tools/view_run.py). --report_to also sends each step to TensorBoard or W&B.
+
+metrics.jsonl holds step records ({"step": 3, "reward_mean": ...}) and the run doctor's warnings
+({"step": 3, "warning": "kl", "message": ...}, doctor.py); readers tell them apart by "warning"."""
+import io
 import json
+import math
 import os
 
 from tqdm import tqdm
 
+# what curves.png shows, 2 rows of 4; report.html shows more (tools/view_run.py)
+CURVES = ["reward_mean", "accuracy", "format_rate", "kl", "completion_len", "zero_var_frac", "entropy",
+          "truncated_frac"]
+TRACKERS = {"tensorboard": ("tensorboard", "pip install tensorboard"), "wandb": ("wandb", "pip install wandb")}
 
-def log_step(metrics_path, record):
+
+class Tracker:
+    """--report_to: none, tensorboard (runs/NAME/tensorboard/) or wandb (project simple_grpo, the run's name)."""
+
+    @staticmethod
+    def check(report_to):
+        """Fail before the slow start-up when the tracker's package is missing, saying what to install."""
+        if report_to == "none":
+            return
+        if report_to not in TRACKERS:
+            raise SystemExit(f"unknown --report_to {report_to!r}: use none, tensorboard or wandb")
+        package, install = TRACKERS[report_to]
+        import importlib.util
+        if importlib.util.find_spec(package) is None:
+            raise SystemExit(f"--report_to {report_to} needs the {package} package: {install} (or --report_to none)")
+
+    def __init__(self, cfg, run_dir):
+        self.check(cfg.report_to)
+        self.kind, self.writer = cfg.report_to, None
+        if self.kind == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        elif self.kind == "wandb":
+            import dataclasses
+            import wandb
+            self.writer = wandb.init(project="simple_grpo", name=cfg.run_name, config=dataclasses.asdict(cfg))
+
+    def log(self, record):
+        numbers = {k: v for k, v in record.items() if k != "step" and is_number(v)}
+        if self.kind == "tensorboard":
+            for key, value in numbers.items():
+                self.writer.add_scalar(key, value, record["step"])
+        elif self.kind == "wandb":
+            self.writer.log(numbers, step=record["step"])
+
+    def close(self):
+        if self.kind == "tensorboard":
+            self.writer.close()
+        elif self.kind == "wandb":
+            self.writer.finish()
+
+
+def is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def log_step(metrics_path, record, tracker=None):
     if record.get("skipped_updates"):
         tqdm.write(f"warning: step {record['step']}: non-finite loss or gradient, update skipped")
     with open(metrics_path, "a") as f:
         f.write(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()}) + "\n")
+    if tracker is not None:
+        tracker.log(record)
 
 
-def finish_run(run_dir, last_step, rank):
-    """End of training: rank 0 plots the curves; every rank says where the results are."""
+def read_metrics(metrics_path):
+    """The step records of metrics.jsonl, and the run doctor's warnings, as two lists."""
+    steps, warnings = [], []
+    with open(metrics_path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise SystemExit(f"{metrics_path}, line {lineno}: not valid JSON ({e.msg})") from None
+                (warnings if "warning" in row else steps).append(row)
+    return steps, warnings
+
+
+def finish_run(run_dir, last_step, rank, tracker=None):
+    """End of training: rank 0 plots the curves and writes report.html; every rank says where the results are."""
     metrics_path, curves = os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "curves.png")
     if rank == 0:
-        plot_curves(metrics_path, curves)
-    print(f"done: {run_dir}/step_{last_step} ({metrics_path}, {curves})")
+        if tracker is not None:
+            tracker.close()
+        rows, _ = read_metrics(metrics_path)
+        png = curves_png(rows, CURVES, columns=4)
+        if png is not None:
+            with open(curves, "wb") as f:
+                f.write(png)
+        from tools.view_run import write_report
+        write_report(run_dir)
+    print(f"done: {run_dir}/step_{last_step} ({metrics_path}, {curves}, {run_dir}/report.html)")
 
 
-def plot_curves(metrics_path, out_png):
-    """The run's curves, one panel per diagnostic, from metrics.jsonl."""
+def running_mean(values, window):
+    """At each point, the mean of the last `window` values (of fewer at the start)."""
+    means = []
+    for i in range(len(values)):
+        recent = values[max(0, i - window + 1):i + 1]
+        means.append(sum(recent) / len(recent))
+    return means
+
+
+def curves_png(rows, keys, columns=4):
+    """One panel per key the rows hold (step records), raw values faint and a running mean bold (a tenth
+    of the steps, 1 to 20: one step is only 64 samples, noisy), as PNG bytes; None when none is logged."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    with open(metrics_path) as f:
-        rows = [json.loads(line) for line in f]
-    keys = ["reward_mean", "accuracy", "format_rate", "kl", "completion_len", "zero_var_frac"]
-    fig, axes = plt.subplots(2, 3, figsize=(12, 6))
-    steps, w = [r["step"] for r in rows], max(1, min(20, len(rows) // 10))
+    keys = [k for k in keys if any(is_number(r.get(k)) for r in rows)]
+    if not keys:
+        return None
+    n_rows = math.ceil(len(keys) / columns)
+    fig, axes = plt.subplots(n_rows, columns, figsize=(3.2 * columns, 2.4 * n_rows), squeeze=False)
     for ax, key in zip(axes.flat, keys):
-        values = [r[key] for r in rows]
-        windows = [values[max(0, i - w + 1):i + 1] for i in range(len(values))]
-        ax.plot(steps, values, alpha=0.3, color="tab:blue")  # one step is only 64 samples: noisy
-        ax.plot(steps, [sum(v) / len(v) for v in windows], color="tab:blue")
-        ax.set_title(f"{key} (line: mean of last {w} steps)" if key == keys[0] else key)
+        points = [(r["step"], r[key]) for r in rows if is_number(r.get(key))]
+        steps, values = [s for s, _ in points], [v for _, v in points]
+        window = max(1, min(20, len(values) // 10))
+        ax.plot(steps, values, alpha=0.3, color="tab:blue")
+        ax.plot(steps, running_mean(values, window), color="tab:blue", linewidth=2)
+        ax.set_title(f"{key} (line: mean of {window})" if key == keys[0] else key)
         ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
     fig.tight_layout()
-    fig.savefig(out_png, dpi=80)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=80)
     plt.close(fig)
+    return buffer.getvalue()

@@ -136,12 +136,13 @@ def post_groups(cfg, groups):
             raise SystemExit(f"ref server refused a group: HTTP {r.status_code} {r.text[:200]}")
 
 
-def take_group(cfg, run_id, check_alive=None, policy_version=None):
+def take_group(cfg, run_id, timeout, waiting=None, policy_version=None):
     """The oldest finished group (tensors, meta) of this run from the server (FIFO), waiting for one.
-    Groups another run left in the server are skipped. `check_alive()` runs between polls so a
-    dead producer stops the wait with an error. policy_version: the trainer's (the regrouping
-    server serves no answer too much older)."""
-    deadline = time.time() + cfg.ref_timeout
+    Groups another run left in the server are skipped. waiting(waited_s) runs between polls: it
+    tells the user what the wait is for, and may stop it (a dead producer, its own deadline).
+    timeout: seconds before the run stops (None: waiting() keeps the deadline). policy_version: the
+    trainer's (the regrouping server serves no answer too much older)."""
+    start = time.time()
     params = {"wait": 2, "run_id": run_id}  # the server keeps other runs' (and other ranks') groups for them
     if policy_version is not None:
         params["policy_version"] = policy_version
@@ -154,8 +155,8 @@ def take_group(cfg, run_id, check_alive=None, policy_version=None):
             print(f"skipped a group of another run ({meta.get('run_id')}) left in the ref server")
         elif r.status_code != 204:
             raise SystemExit(f"ref server answered /get with HTTP {r.status_code} {r.text[:200]}")
-        elif check_alive is not None:
-            check_alive()
-        elif time.time() > deadline:
-            raise SystemExit(f"ref server at {cfg.ref_url} returned no finished group in {cfg.ref_timeout:.0f} s: "
+        if waiting is not None:
+            waiting(time.time() - start)
+        if timeout is not None and time.time() - start > timeout:
+            raise SystemExit(f"ref server at {cfg.ref_url} returned no finished group in {timeout:.0f} s: "
                              f"is it still working? (see its log)")

@@ -136,14 +136,14 @@ weights = lambda: torch.cat([p.detach().flatten().clone() for p in engine.module
 out, before = {}, weights()
 bad = dict(batch, ref_logps=batch["ref_logps"].clone())
 bad["ref_logps"][0, 0] = float("inf")                    # the loss is not finite
-out["loss"] = grpo_update(engine, bad, cfg, tok.eos_token_id)["skipped_updates"]
+out["loss"] = grpo_update(engine, bad, cfg, tok.eos_token_id)[0]["skipped_updates"]
 out["loss_unchanged"] = bool(torch.equal(weights(), before))
 param = next(engine.module.parameters())
 hook = param.register_hook(lambda grad: grad * float("nan"))  # the loss is finite, a gradient is not
-out["grad"] = grpo_update(engine, batch, cfg, tok.eos_token_id)["skipped_updates"]
+out["grad"] = grpo_update(engine, batch, cfg, tok.eos_token_id)[0]["skipped_updates"]
 out["grad_unchanged"] = bool(torch.equal(weights(), before))
 hook.remove()
-out["clean"] = grpo_update(engine, batch, cfg, tok.eos_token_id)["skipped_updates"]
+out["clean"] = grpo_update(engine, batch, cfg, tok.eos_token_id)[0]["skipped_updates"]
 after = weights()
 out["clean_changed"] = bool(not torch.equal(after, before)) and bool(torch.isfinite(after).all())
 print(json.dumps(out))

@@ -48,7 +48,7 @@ sys.path.insert(0, sys.argv[1])
 
 def rank(r, port, results):
     import torch.distributed as dist
-    from grpo_vllm_one import max_over_ranks
+    from devices import max_over_ranks
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2)
     results[r] = max_over_ranks([3.0, 7.0][r])
     dist.destroy_process_group()

@@ -149,3 +149,37 @@ def test_completions_must_split_evenly_over_prompts():
     with pytest.raises(ValueError, match="per prompt"):
         sequence_logps(None, torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long),
                        torch.zeros(5, 4, dtype=torch.long))
+
+
+def test_entropy_from_the_log_prob_pass_equals_a_plain_forwards():
+    """sequence_logps(entropy=True) takes the entropy from the logits it computes the log-probs from (no
+    extra forward); it equals -sum p log p of softmax(logits / T) from one plain forward over prompt +
+    completion, to 1e-5 in fp32."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained("models/tiny-math", dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(3, 500, (2, 6), generator=g)
+    prompt_ids[1, :2] = 0  # left padding
+    prompt_mask = (prompt_ids != 0).long()
+    completion_ids = torch.randint(3, 500, (6, 5), generator=g)  # G = 3 completions per prompt
+    T = 0.7
+    with torch.no_grad():
+        logps, entropy = sequence_logps(model, prompt_ids, prompt_mask, completion_ids, T, entropy=True)
+        ids = torch.cat([prompt_ids.repeat_interleave(3, 0), completion_ids], 1)
+        mask = torch.cat([prompt_mask.repeat_interleave(3, 0), torch.ones_like(completion_ids)], 1)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+        p = torch.softmax(logits[:, 5:-1] / T, dim=-1)  # positions predicting the 5 completion tokens
+        expected = -(p * torch.log(p)).sum(-1)
+    assert entropy.shape == logps.shape == (6, 5)
+    assert torch.allclose(entropy, expected, atol=1e-5, rtol=0)
+    assert entropy.min() > 0
+
+
+def test_clip_fractions_below_and_above_and_ratio_extremes():
+    logps = torch.tensor([[0.0, 0.0, 0.0, 0.0]])
+    old = torch.tensor([[0.5, -0.5, 0.0, -0.5]])  # ratios e^-0.5 = 0.61, e^0.5 = 1.65, 1, 1.65
+    for adv, low, high in ((torch.tensor([-1.0]), 0.25, 0.0), (torch.tensor([1.0]), 0.0, 0.5)):
+        _, stats = grpo_loss(logps, old, None, adv, torch.ones(1, 4), beta=0.0, epsilon=0.2)
+        assert stats["clip_low_frac"] == pytest.approx(low) and stats["clip_high_frac"] == pytest.approx(high)
+        assert stats["clip_fraction"] == pytest.approx(low + high)
+        assert stats["ratio_min"] == pytest.approx(math.exp(-0.5)) and stats["ratio_max"] == pytest.approx(math.exp(0.5))

@@ -41,7 +41,7 @@ mine = {k: (v[rank * q:(rank + 1) * q] if k.startswith("prompt") else v[rank * q
         for k, v in batch.items()}
 losses, skipped = [], 0
 for step in range(3):  # three steps on this batch
-    stats = grpo_update(engine, mine, cfg, tok.eos_token_id)
+    stats, _ = grpo_update(engine, mine, cfg, tok.eos_token_id)
     losses.append(stats["loss"])
     skipped += stats["skipped_updates"]
 loss = torch.tensor(losses)

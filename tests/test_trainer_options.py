@@ -117,12 +117,12 @@ def test_num_iterations_reuses_the_rollouts_and_the_second_ratio_is_the_first_st
             return sequence_logps(engine.module, batch["prompt_ids"], batch["prompt_mask"], completions, cfg1.temperature)
 
     before = logps(one)
-    stats1 = grpo_update(one, dict(batch), cfg1, tokenizer.eos_token_id)
+    stats1, _ = grpo_update(one, dict(batch), cfg1, tokenizer.eos_token_id)
     after_one_step = logps(one)
     assert stats1["ratio_mean"] == pytest.approx(1.0)
     cfg2, two, _ = engine_for(2)
     assert torch.allclose(logps(two), before)  # the same start
-    stats2 = grpo_update(two, dict(batch), cfg2, tokenizer.eos_token_id)
+    stats2, _ = grpo_update(two, dict(batch), cfg2, tokenizer.eos_token_id)
     hand = ((torch.exp(after_one_step - before) * mask).sum() / mask.sum()).item()
     assert stats2["ratio_mean"] == pytest.approx(hand, abs=1e-5) and abs(hand - 1) > 1e-4
     assert two.global_steps == 2 and one.global_steps == 1
@@ -158,7 +158,7 @@ def test_micro_batches_give_the_whole_batchs_step(zero_stage, loss_type):
             return add
 
         hooks = [p.register_hook(adder(acc)) for p, acc in zip(params, grads)]
-        stats = grpo_update(engine, dict(batch), cfg, tokenizer.eos_token_id)
+        stats, _ = grpo_update(engine, dict(batch), cfg, tokenizer.eos_token_id)
         for h in hooks:
             h.remove()
         results.append((torch.cat([g.flatten() for g in grads]), stats))

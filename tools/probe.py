@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 from completions_log import completion_rows, log_completions, pick_groups  # noqa: E402
 from data import make_prompt, stop_token_ids  # noqa: E402
 from evaluate import context_length  # noqa: E402
-from grpo_math import completion_mask, group_advantages, sequence_logps  # noqa: E402
+from grpo_math import completion_mask, group_advantages, is_truncated, sequence_logps  # noqa: E402
 from grpo_train import collate, load_data, make_groups, rollout_stats, score_groups  # noqa: E402
 from grpo_vllm_one import sample, start_vllm  # noqa: E402
 from rewards import load_reward_file, parse_reward_spec  # noqa: E402
@@ -219,16 +219,16 @@ def probe(cfg):
     prompt_rows, completion_ids, sampler_logps = sample(llm, prompts, cfg, stop_ids)
     gen_s = time.time() - t0
     mask = completion_mask(completion_ids, stop_ids)
-    truncated = completion_mask(completion_ids, stop_ids, mask_truncated=True).sum(1) == 0  # no stop token
+    truncated = is_truncated(completion_ids, stop_ids)  # no stop token: cut off at max_new_tokens
     texts = tokenizer.batch_decode(completion_ids * mask.long() + tokenizer.pad_token_id * (1 - mask.long()),
                                    skip_special_tokens=True)
     rewards, scores = score_groups(texts, problems, G, weights)
     _, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G, {})
-    stats = rollout_stats(rewards, scores, mask, has_signal, gen_s)
+    stats = rollout_stats(rewards, scores, mask, has_signal, gen_s, truncated)
 
     correct = correct_per_prompt(scores, G)
     hist = pass_rate_histogram(correct, G)
-    truncated_frac = truncated.float().mean().item()
+    truncated_frac = stats["truncated_frac"]
     print_report(cfg, correct, rewards, stats, truncated_frac)
     if cfg.log_completions:
         write_completions(cfg, tokenizer, prompts, prompt_rows, completion_ids, sampler_logps, mask, rewards, scores)

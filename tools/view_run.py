@@ -17,7 +17,6 @@ is untrusted: everything from the run's files is HTML-escaped.
 """
 import base64
 import html
-import io
 import json
 import math
 import os
@@ -27,12 +26,15 @@ from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from completions_log import read_completions  # noqa: E402 - after the path fix that lets the script import it
+# noqa: E402 below - these imports come after the path fix that lets the script import them
+from completions_log import read_completions  # noqa: E402
+from metrics import curves_png, is_number, read_metrics  # noqa: E402
 
 # the curves, in this order, whichever of them the run logged
-CURVE_KEYS = ["reward_mean", "accuracy", "format_rate", "kl", "completion_len", "zero_var_frac",
-              "clip_fraction", "grad_norm", "entropy", "truncated_frac", "sampler_gap_mean", "ratio_mean",
-              "loss", "reward_std", "policy_lag", "tokens_per_s", "step_s"]
+CURVE_KEYS = ["reward_mean", "accuracy", "format_rate", "kl", "completion_len", "zero_var_frac", "entropy",
+              "truncated_frac", "clip_low_frac", "clip_high_frac", "grad_norm", "completion_len_max",
+              "sampler_gap_mean", "is_weight_mean", "ratio_mean", "loss", "reward_std", "lr", "policy_lag",
+              "tokens_per_s", "step_s"]
 CURVE_COLUMNS = 5
 SPECIAL_TOKEN = re.compile(r"<\|[^|<>]*\|>")  # <|im_start|>, <|eot_id|>: chat-template markers
 
@@ -48,21 +50,6 @@ class ViewConfig:
 
 
 # ---------------------------------------------------------------------------- reading the run
-def read_metrics(path):
-    """The rows of metrics.jsonl; a bad line raises an error naming the file and line."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise SystemExit(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
-    if not rows:
-        raise SystemExit(f"{path} is empty: the run has not logged a step yet")
-    return rows
-
-
 def short(value):
     """A number in 4 significant digits, without the minus of a rounded negative zero."""
     return f"{value:.4g}" if value != 0 else "0"
@@ -70,10 +57,6 @@ def short(value):
 
 def plural(n, word):
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
-def is_number(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def read_config(run_dir):
@@ -86,44 +69,6 @@ def read_config(run_dir):
 
 
 # ---------------------------------------------------------------------------- curves
-def running_mean(values, window):
-    """At each point, the mean of the last `window` values (of fewer at the start)."""
-    means = []
-    for i in range(len(values)):
-        recent = values[max(0, i - window + 1):i + 1]
-        means.append(sum(recent) / len(recent))
-    return means
-
-
-def curves_png(rows):
-    """A grid of the CURVE_KEYS the run logged, raw values faint and a running mean bold (the window
-    metrics.plot_curves uses: a tenth of the steps, 1 to 20), as PNG bytes; None when none is logged."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    keys = [k for k in CURVE_KEYS if any(is_number(r.get(k)) for r in rows)]
-    if not keys:
-        return None
-    n_rows = math.ceil(len(keys) / CURVE_COLUMNS)
-    fig, axes = plt.subplots(n_rows, CURVE_COLUMNS, figsize=(3.2 * CURVE_COLUMNS, 2.4 * n_rows), squeeze=False)
-    for ax, key in zip(axes.flat, keys):
-        points = [(r["step"], r[key]) for r in rows if is_number(r.get(key))]
-        steps, values = [s for s, _ in points], [v for _, v in points]
-        window = max(1, min(20, len(values) // 10))
-        ax.plot(steps, values, alpha=0.3, color="tab:blue")
-        ax.plot(steps, running_mean(values, window), color="tab:blue", linewidth=2)
-        ax.set_title(key)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(keys):]:
-        ax.axis("off")
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=80)
-    plt.close(fig)
-    return buffer.getvalue()
-
-
 def first_last_table(rows):
     """Each curve's value at its first and last logged step, one column per curve."""
     columns = []
@@ -259,7 +204,9 @@ def build_report(cfg):
     if not os.path.isfile(metrics_path):
         raise SystemExit(f"{metrics_path} not found: {run_dir} is not a run directory, or its run has not "
                          "logged a step yet")
-    metrics, run_config = read_metrics(metrics_path), read_config(run_dir)
+    (metrics, warnings), run_config = read_metrics(metrics_path), read_config(run_dir)
+    if not metrics:
+        raise SystemExit(f"{metrics_path} holds no step yet: the run has not logged a step")
     name = os.path.basename(os.path.abspath(run_dir))
     steps = [r.get("step") for r in metrics]
     body = [f"<h1>Run {html.escape(name)}</h1>",
@@ -271,7 +218,11 @@ def build_report(cfg):
         body.append(f"<details><summary>the run's flags (config.json)</summary><table class='small'>{cells}"
                     "</table></details>")
     body.append("<h2>Curves</h2>")
-    png = curves_png(metrics)
+    if warnings:
+        items = "".join(f"<li><b>{html.escape(str(w['warning']))}</b> at step {html.escape(str(w.get('step')))}: "
+                        f"{html.escape(str(w.get('message', '')))}</li>" for w in warnings)
+        body.append(f"<h2>Run doctor</h2><ul class='warnings'>{items}</ul>")
+    png = curves_png(metrics, CURVE_KEYS, CURVE_COLUMNS)
     if png is None:
         body.append("<p>metrics.jsonl holds none of the curves this page knows.</p>")
     else:
@@ -289,6 +240,17 @@ def build_report(cfg):
             f"<style>{STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
+def write_report(run_dir, out="", **options):
+    """report.html for the run in run_dir (ViewConfig's options); returns its path."""
+    cfg = ViewConfig(run_dir=run_dir, out=out, **options)
+    page = build_report(cfg)
+    out = cfg.out or os.path.join(cfg.run_dir, "report.html")
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(page)
+    print(f"wrote {out} ({len(page) / 1e3:.0f} kB)")
+    return out
+
+
 def main(argv=None):
     from transformers import HfArgumentParser
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -297,12 +259,8 @@ def main(argv=None):
     (cfg,) = HfArgumentParser(ViewConfig).parse_args_into_dataclasses(args=argv)
     if not cfg.run_dir:
         raise SystemExit("give the run's directory: python tools/view_run.py runs/NAME")
-    page = build_report(cfg)
-    out = cfg.out or os.path.join(cfg.run_dir, "report.html")
-    with open(out, "w", encoding="utf-8") as f:
-        f.write(page)
-    print(f"wrote {out} ({len(page) / 1e3:.0f} kB)")
-    return out
+    return write_report(cfg.run_dir, cfg.out, completions_per_step=cfg.completions_per_step,
+                        steps_shown=cfg.steps_shown)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,155 @@
+"""The run doctor: warnings in plain words when a run looks alive but is not learning.
+
+GRPO's failures are quiet: the loss stays near 0 whatever happens, and a run with no reward signal,
+a policy far from its reference or a sampler that disagrees with the trainer still prints steps.
+The doctor reads what the trainers log (every generated batch, and every step's record) and says
+what is wrong, the likely cause, and what to try. Each rule speaks once when its condition starts
+(and again only after it has cleared), on the console and as a line in metrics.jsonl:
+
+    {"step": 12, "warning": "kl", "message": "KL 239 after 1 update: ..."}
+
+RULES names them; the thresholds are the trainers' --doctor_* flags. With --stop_on RULES
+(e.g. no_signal,kl) a rule that fires stops the run with a non-zero exit and its message.
+"""
+import json
+from collections import Counter
+
+from tqdm import tqdm
+
+RULES = {
+    "no_signal": "doctor_window batches in a row with no group whose rewards differ (GRPO learns nothing)",
+    "kl": "KL to the reference above doctor_kl_max, or above 1 and doctor_kl_jump times its recent mean",
+    "entropy": "mean token entropy of the last doctor_window steps below doctor_entropy_drop of the first steps'",
+    "truncated": "more than doctor_truncated_max of the last doctor_window steps' completions cut off",
+    "mismatch": "sampler (vLLM) vs trainer log-prob gap above doctor_gap_max per token (grpo_vllm_one)",
+    "ratio": "mean importance ratio pi/pi_old of the last doctor_window steps off 1 by more than doctor_ratio_band",
+}
+
+
+def parse_stop_on(text):
+    """--stop_on "no_signal,kl" -> {"no_signal", "kl"}; an unknown name is an error naming the known ones."""
+    names = {name.strip() for name in text.split(",") if name.strip()}
+    unknown = names - set(RULES)
+    if unknown:
+        raise SystemExit(f"unknown --stop_on rule(s) {sorted(unknown)}: use any of {', '.join(RULES)}")
+    return names
+
+
+def batch_summary(rewards, scores, texts, has_signal):
+    """What the doctor needs of one generated batch, trained or dropped: small, JSON-safe (it crosses
+    processes). rewards (Q*G,); scores [Q*G] dicts from rewards.score; texts [Q*G]; has_signal (Q,)."""
+    return {"groups": len(has_signal), "groups_with_signal": int(has_signal.sum()),
+            "rewards": [round(r, 3) for r in rewards.tolist()],
+            "sample": {"completion": texts[0], "scores": scores[0]}}
+
+
+def mean(values):
+    return sum(values) / len(values) if values else 0.0
+
+
+def shorten(text, n=160):
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[:n] + "..."
+
+
+class RunDoctor:
+    """Watches one run (the trainer's rank 0). batch() takes each generated batch's batch_summary,
+    step() each logged step record; both return the message of a --stop_on rule that fired, else None."""
+
+    def __init__(self, cfg, metrics_path):
+        self.cfg, self.metrics_path = cfg, metrics_path
+        self.stop_on = parse_stop_on(cfg.stop_on)
+        self.active = set()  # rules whose condition holds now (each speaks when it starts)
+        self.silent = []  # the summaries of the latest batches in a row with no group with signal
+        self.rows = []  # the step records so far
+
+    # ------------------------------------------------------------------------ the rules
+    def batch(self, summary, step):
+        """no_signal: a batch where every group's rewards are all alike teaches nothing; many in a row
+        mean the model never earns the reward, or all its answers score the same."""
+        self.silent = [] if summary["groups_with_signal"] else (self.silent + [summary])[-self.cfg.doctor_window:]
+        firing = len(self.silent) >= self.cfg.doctor_window
+        return self.report("no_signal", firing, step, lambda: self.no_signal_message())
+
+    def no_signal_message(self):
+        rewards = [r for s in self.silent for r in s["rewards"]]
+        seen = ", ".join(f"{value:g} x{count}" for value, count in Counter(rewards).most_common(4))
+        sample = self.silent[-1]["sample"]
+        parts = " + ".join(f"{name} {value:g}" for name, value in sample["scores"].items() if name != "reward")
+        return (f"no group had reward variance in the last {len(self.silent)} batches "
+                f"({sum(s['groups'] for s in self.silent)} prompts): every advantage is 0, GRPO learns nothing. "
+                f"Rewards seen: {seen}. A completion: {json.dumps(shorten(sample['completion']))} scored "
+                f"{sample['scores']['reward']:g} ({parts}). Likely cause: the model never earns the reward, or all "
+                "its answers to a question score alike. Try: python tools/probe.py --model "
+                f"{self.cfg.model} to see its pass rate; warm-start the model, change --reward_funcs/--reward_weights/"
+                "--reward_file, or raise --num_generations/--temperature")
+
+    def step(self, record):
+        cfg, step = self.cfg, record["step"]
+        self.rows.append(record)
+        recent = self.rows[-cfg.doctor_window:]
+        first = self.rows[:cfg.doctor_window]
+
+        kl, before = record.get("kl", 0.0), [r.get("kl", 0.0) for r in self.rows[-cfg.doctor_window - 1:-1]]
+        jumped = kl > 1.0 and before and kl > cfg.doctor_kl_jump * mean(before)
+        stops = [self.report("kl", kl > cfg.doctor_kl_max or jumped, step, lambda: self.kl_message(kl, mean(before)))]
+
+        entropies = [r["entropy"] for r in self.rows if "entropy" in r]
+        start, now = mean(entropies[:cfg.doctor_window]), mean(entropies[-cfg.doctor_window:])
+        collapsing = len(entropies) >= 2 * cfg.doctor_window and now < cfg.doctor_entropy_drop * start
+        stops.append(self.report("entropy", collapsing, step, lambda: (
+            f"policy entropy fell to {now:.3g} nats per token, {now / start:.0%} of its {start:.3g} over the first "
+            f"{len(first)} steps: the policy is collapsing onto a few answers, exploration ends and groups turn "
+            "all-alike. Try a lower --lr, a higher --beta or --temperature, or clip-higher (--epsilon_high 0.28)")))
+
+        cut = mean([r.get("truncated_frac", 0.0) for r in recent])
+        stops.append(self.report("truncated", len(recent) == cfg.doctor_window and cut > cfg.doctor_truncated_max,
+                                   step, lambda: (
+            f"{cut:.0%} of the completions of the last {len(recent)} steps hit --max_new_tokens "
+            f"{cfg.max_new_tokens} without a stop token: their answers are cut off and scored unfinished. Raise "
+            "--max_new_tokens, or reward shorter answers; --mask_truncated_completions keeps them out of the loss")))
+
+        gaps = [r["sampler_gap_mean"] for r in recent if "sampler_gap_mean" in r]
+        gap = mean(gaps)
+        stops.append(self.report("mismatch", bool(gaps) and gap > cfg.doctor_gap_max, step, lambda: (
+            f"vLLM's log-probs differ from the trainer's by {gap:.3g} per token on average over the last "
+            f"{len(gaps)} steps (largest {max(r['sampler_gap_max'] for r in recent if 'sampler_gap_max' in r):.3g}): "
+            "the sampler is not running the policy the trainer trains. Check that both use the same --dtype and "
+            "that weights reach vLLM (weights_load_s in metrics.jsonl); lower --max_policy_lag; keep --tis_cap on")))
+
+        ratio = mean([r.get("ratio_mean", 1.0) for r in recent])
+        stops.append(self.report("ratio", abs(ratio - 1) > cfg.doctor_ratio_band, step, lambda: (
+            f"the importance ratio pi/pi_old averaged {ratio:.3g} over the last {len(recent)} steps (this step: min "
+            f"{record.get('ratio_min', 1.0):.3g}, max {record.get('ratio_max', 1.0):.3g}): the policy moves far "
+            "from the one that sampled within a step, and the clip discards much of the gradient. Lower --lr or "
+            "--num_iterations; with vLLM, --max_policy_lag 0")))
+        return next((stop for stop in stops if stop), None)
+
+    def kl_message(self, kl, recent):
+        cfg, n = self.cfg, len(self.rows)
+        if n <= 3:
+            return (f"KL {kl:.3g} after {n} update{'s' if n > 1 else ''}: the learning rate is likely too high for "
+                    f"this model (--lr {cfg.lr:g}; real pretrained models train at about 1e-6)")
+        if kl <= cfg.doctor_kl_max:
+            return (f"KL to the reference jumped to {kl:.3g} from a recent mean of {recent:.3g}: one update moved "
+                    "the policy far (see grad_norm). Lower --lr, or raise --beta")
+        return (f"KL to the reference is {kl:.3g} (> --doctor_kl_max {cfg.doctor_kl_max:g}): the policy has drifted "
+                "far from the reference and may be exploiting the reward. Lower --lr, or raise --beta")
+
+    # ------------------------------------------------------------------------ speaking
+    def report(self, rule, firing, step, message):
+        """Speak when `rule` starts firing; returns the stop message if it is a --stop_on rule."""
+        if not firing:
+            self.active.discard(rule)
+            return None
+        if rule in self.active:
+            return None
+        self.active.add(rule)
+        text = message()
+        tqdm.write(f"run doctor [{rule}] at step {step}: {text}")
+        if self.metrics_path:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps({"step": step, "warning": rule, "message": text}) + "\n")
+        if rule in self.stop_on:
+            return f"run doctor stopped the run (--stop_on {rule}): {text}"
+        return None

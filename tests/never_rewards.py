@@ -1,0 +1,7 @@
+"""A reward no completion ever earns: the no-signal tests' --reward_file (every group scores all 0)."""
+from rewards import reward_function
+
+
+@reward_function("never")
+def never(completion, answer):
+    return 0.0

@@ -1,0 +1,153 @@
+"""The run doctor (doctor.py): each rule fires on a run built to trigger it, once, names the cause,
+and --stop_on turns it into a stop; a healthy run (the tiny demo's own metrics) stays quiet. The
+no-signal case end to end: a reward never earned, the message, the exit."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from doctor import RULES, RunDoctor, batch_summary, parse_stop_on
+from grpo_train import Config
+from tests.test_ref_server import server  # noqa: F401 - the live server fixture
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def healthy(step, **changes):
+    """One step record of a healthy run (values of the tiny demo's), with changes."""
+    record = {"step": step, "kl": 0.05, "entropy": 0.2, "truncated_frac": 0.0, "ratio_mean": 1.0, "ratio_min": 0.9,
+              "ratio_max": 1.1, "sampler_gap_mean": 0.005, "sampler_gap_max": 0.3, "zero_var_frac": 0.1}
+    return {**record, **changes}
+
+
+def summary(rewards, G=4):
+    r = torch.tensor(rewards, dtype=torch.float)
+    has_signal = r.view(-1, G).std(1) > 0
+    scores = [{"reward": x, "correctness": x, "format": 0.0} for x in rewards]
+    return {**batch_summary(r, scores, ["<think>2+2=5</think>"] * len(rewards), has_signal), "posted": 0}
+
+
+def doctor(tmp_path, **flags):
+    cfg = Config(**flags)
+    return RunDoctor(cfg, str(tmp_path / "metrics.jsonl")), tmp_path / "metrics.jsonl"
+
+
+def warnings_in(path):
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if "warning" in json.loads(line)]
+
+
+def run_steps(d, records):
+    fired = []
+    for record in records:
+        before = set(d.active)
+        d.step(record)
+        fired += sorted(d.active - before)
+    return fired
+
+
+def test_no_signal_fires_after_the_window_once_with_rewards_and_a_sample(tmp_path):
+    d, path = doctor(tmp_path, doctor_window=3)
+    for step in range(1, 3):
+        assert d.batch(summary([0.0] * 8), step) is None
+    assert warnings_in(path) == []  # 2 silent batches: within the window
+    d.batch(summary([0.0] * 8), 3)
+    d.batch(summary([0.0] * 8), 4)  # still silent: it spoke once
+    (w,) = warnings_in(path)
+    assert w["warning"] == "no_signal" and w["step"] == 3
+    assert "Rewards seen: 0 x24" in w["message"] and "2+2=5" in w["message"] and "correctness 0" in w["message"]
+    d.batch(summary([0.0, 1.0, 0.0, 0.0] * 2), 5)  # a group with signal clears it...
+    for step in range(6, 9):
+        d.batch(summary([1.0] * 8), step)  # ...and three all-correct batches start it again
+    assert [w["step"] for w in warnings_in(path)] == [3, 8]
+
+
+def test_kl_after_one_update_names_the_learning_rate(tmp_path):
+    d, path = doctor(tmp_path, lr=1e-4)
+    d.step(healthy(1, kl=239.0))
+    (w,) = warnings_in(path)
+    assert w["warning"] == "kl" and "KL 239 after 1 update" in w["message"] and "learning rate" in w["message"]
+
+
+def test_kl_jump_fires_and_the_demos_spike_does_not(tmp_path):
+    d, path = doctor(tmp_path)
+    assert run_steps(d, [healthy(s, kl=0.1) for s in range(1, 20)] + [healthy(20, kl=1.3)]) == []  # 13x: the demo's
+    assert run_steps(d, [healthy(s, kl=0.1) for s in range(21, 31)] + [healthy(31, kl=2.5)]) == ["kl"]  # 25x
+    assert "jumped to 2.5 from a recent mean of 0.1" in warnings_in(path)[0]["message"]
+
+
+def test_entropy_collapse(tmp_path):
+    d, path = doctor(tmp_path, doctor_window=5)
+    records = [healthy(s, entropy=0.5) for s in range(1, 11)] + [healthy(s, entropy=0.01) for s in range(11, 16)]
+    assert run_steps(d, records) == ["entropy"]
+    assert "collapsing" in warnings_in(path)[0]["message"]
+
+
+def test_most_completions_cut_off(tmp_path):
+    d, path = doctor(tmp_path, doctor_window=4, max_new_tokens=48)
+    assert run_steps(d, [healthy(s, truncated_frac=0.9) for s in range(1, 6)]) == ["truncated"]
+    assert "--max_new_tokens 48" in warnings_in(path)[0]["message"]
+
+
+def test_sampler_mismatch_and_ratio(tmp_path):
+    d, path = doctor(tmp_path, doctor_window=3)
+    assert run_steps(d, [healthy(s, sampler_gap_mean=0.4, sampler_gap_max=5.0) for s in range(1, 4)]) == ["mismatch"]
+    (tmp_path / "ratio").mkdir()
+    d, path = doctor(tmp_path / "ratio", doctor_window=3)
+    assert run_steps(d, [healthy(s, ratio_mean=1.5, ratio_max=9.0) for s in range(1, 4)]) == ["ratio"]
+    assert "max 9" in warnings_in(path)[0]["message"]
+
+
+def test_stop_on_turns_a_rule_into_a_stop_and_rejects_unknown_names(tmp_path):
+    d, _ = doctor(tmp_path, stop_on="kl,no_signal")
+    stop = d.step(healthy(1, kl=50.0))
+    assert stop.startswith("run doctor stopped the run (--stop_on kl): KL 50")
+    with pytest.raises(SystemExit, match="unknown --stop_on rule"):
+        parse_stop_on("kl,loss_is_zero")
+    assert set(RULES) == {"no_signal", "kl", "entropy", "truncated", "mismatch", "ratio"}
+
+
+def test_quiet_on_the_tiny_demos_healthy_metrics(tmp_path):
+    """Every step of a make demo run (seed 0, 450 steps, committed as tests/data/demo_metrics.jsonl)."""
+    d, path = doctor(tmp_path)
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, "tests", "data", "demo_metrics.jsonl"))]
+    for row in rows:
+        if "warning" not in row:
+            d.step(row)
+    assert len(rows) >= 400 and warnings_in(path) == []
+
+
+def trainer(*flags, timeout=600):
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "grpo_vllm_one.py", "--reward_file", "tests/never_rewards.py",
+                          "--reward_funcs", "never", "--reward_weights", "1", "--batch_prompts", "4",
+                          "--num_generations", "4", "--doctor_window", "4", "--steps", "3", *flags], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    return out, time.time() - t0
+
+
+def test_no_signal_run_stops_with_the_doctors_message(tmp_path):
+    """A reward never earned: the worker drops every batch; within 4 batches of vLLM's start the doctor
+    says so, and --stop_on no_signal ends the run with a non-zero exit and the reason."""
+    out, seconds = trainer("--beta", "0", "--stop_on", "no_signal", "--run_name", "test_no_signal_stop")
+    assert out.returncode != 0, out.stdout[-3000:]
+    assert "run doctor [no_signal]" in out.stdout and "Rewards seen: 0 x64" in out.stdout, out.stdout[-3000:]
+    assert "run doctor stopped the run (--stop_on no_signal)" in out.stdout
+    ready = float(out.stdout.split("vLLM ready after ")[1].split(" s")[0])
+    print(f"no-signal stop: {seconds:.0f} s in all, vLLM start {ready:.0f} s")
+
+
+def test_no_signal_run_without_stop_on_ends_at_its_deadline(server):  # noqa: F811
+    """The same run through the ref server (the wait that had no deadline): the doctor's warning, the
+    progress bar saying what it waits for, and --data_timeout ending the run naming what never came."""
+    out, seconds = trainer("--ref_url", server, "--data_timeout", "20", "--run_name", "test_no_signal_deadline")
+    assert out.returncode != 0, out.stdout[-3000:]
+    assert "run doctor [no_signal]" in out.stdout
+    assert "waiting for batch 1" in out.stdout and "dropped whole (all groups all-alike)" in out.stdout
+    assert "no trainable batch came in 20 s (--data_timeout): the worker's last" in out.stdout, out.stdout[-3000:]
+    print(f"no-signal deadline: {seconds:.0f} s in all")

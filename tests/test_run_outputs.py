@@ -1,0 +1,80 @@
+"""What a run leaves behind and says: TRL-style metrics in metrics.jsonl, completions.jsonl every
+--log_completions_every steps, curves.png and report.html at the end; --report_to's trackers, and
+--preflight stopping a run that would get no signal. Short real runs of both trainers (beta 0)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+METRICS = ["entropy", "clip_low_frac", "clip_high_frac", "completion_len_min", "completion_len", "completion_len_max",
+           "truncated_frac", "reward_correctness", "reward_correctness_std", "reward_format", "reward_format_std",
+           "zero_var_frac", "ratio_min", "ratio_mean", "ratio_max", "lr", "tokens", "kl", "grad_norm"]
+VLLM_METRICS = ["sampler_gap_mean", "sampler_gap_max", "is_weight_min", "is_weight_mean", "is_weight_max"]
+
+
+def run(trainer, name, *flags, timeout=900):
+    return subprocess.run([sys.executable, f"{trainer}.py", "--beta", "0", "--lr", "1e-4", "--steps", "4",
+                           "--batch_prompts", "4", "--run_name", name, "--log_completions_every", "2", *flags],
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("trainer", ["grpo_train", "grpo_vllm_one"])
+def test_a_run_logs_the_metrics_completions_and_writes_its_report(trainer):
+    name = f"test_outputs_{trainer}"
+    out = run(trainer, name)
+    assert out.returncode == 0, out.stdout[-3000:]
+    run_dir = os.path.join(ROOT, "runs", name)
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for key in METRICS + (VLLM_METRICS if trainer == "grpo_vllm_one" else []):
+        assert all(key in r for r in rows), key
+    for r in rows:
+        assert r["completion_len_min"] <= r["completion_len"] <= r["completion_len_max"]
+        assert 0 < r["entropy"] < 12 and r["lr"] == 1e-4 and r["tokens"] > 0 and 0 <= r["truncated_frac"] <= 1
+        assert r["ratio_min"] <= r["ratio_mean"] <= r["ratio_max"]
+    logged = [json.loads(line) for line in open(os.path.join(run_dir, "completions.jsonl"))]
+    assert sorted({r["step"] for r in logged}) == [2, 4] and len(logged) == 2 * 8  # one group of G=8 each time
+    for r in logged:
+        assert r["prompt"] and "reward" in r and set(r["rewards"]) == {"correctness", "format"}
+        assert len(r["tokens"]) == len(r["logps"]) and r["advantage"] is not None
+        assert (r["sampler_logps"] is not None) == (trainer == "grpo_vllm_one")
+    page = open(os.path.join(run_dir, "report.html"), encoding="utf-8").read()
+    assert "<h2>Completions</h2>" in page and "<h3>step 4 " in page
+    assert os.path.getsize(os.path.join(run_dir, "curves.png")) > 1000
+
+
+def test_report_to_a_missing_tracker_says_what_to_install():
+    import importlib.util
+    missing = [t for t in ("wandb", "tensorboard") if importlib.util.find_spec(t) is None]
+    if not missing:
+        pytest.skip("wandb and tensorboard are both installed here")
+    out = run("grpo_train", "test_report_to_missing", "--report_to", missing[0], timeout=120)
+    assert out.returncode != 0
+    assert f"--report_to {missing[0]} needs the {missing[0]} package: pip install {missing[0]}" in out.stdout
+    out = run("grpo_train", "test_report_to_bad", "--report_to", "mlflow", timeout=120)
+    assert out.returncode != 0 and "unknown --report_to 'mlflow': use none, tensorboard or wandb" in out.stdout
+
+
+def test_report_to_tensorboard_writes_the_steps():
+    pytest.importorskip("tensorboard", reason="tensorboard is optional (pip install tensorboard)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    out = run("grpo_train", "test_report_to_tensorboard", "--report_to", "tensorboard")
+    assert out.returncode == 0, out.stdout[-3000:]
+    events = EventAccumulator(os.path.join(ROOT, "runs", "test_report_to_tensorboard", "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward_mean")] == [1, 2, 3, 4]
+    assert "entropy" in events.Tags()["scalars"]
+
+
+def test_preflight_stops_a_run_that_would_get_no_signal():
+    out = run("grpo_train", "test_preflight", "--preflight", "--preflight_n", "16", "--reward_file",
+              "tests/never_rewards.py", "--reward_funcs", "never", "--reward_weights", "1")
+    assert out.returncode != 0, out.stdout[-3000:]
+    assert '"pass_rate_hist"' in out.stdout  # the probe's own report and JSON line, shown
+    assert ("pre-flight: 0 of 16 prompts earned any reward: GRPO will get no signal; warm-start the model "
+            "(supervised), or change the reward") in out.stdout
+    assert "Not training (run without --preflight to train anyway)" in out.stdout
+    assert not os.path.exists(os.path.join(ROOT, "runs", "test_preflight", "metrics.jsonl"))
