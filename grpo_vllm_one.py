@@ -153,7 +153,7 @@ class WeightSender:
         self.queue, self.loaded = weights_queue, loaded
         self.buffers, self.held, self.layout, self.syncs = None, [-1, -1], None, 0
 
-    def send(self, module, version, zero_stage=0, check_alive=lambda: None):
+    def send(self, module, version, zero_stage=0, check_alive=lambda: None, timeout=600.0):
         gather = contextlib.nullcontext()
         if zero_stage == 3:  # ZeRO-3 keeps each parameter in shards: gather them whole first
             import deepspeed
@@ -166,8 +166,12 @@ class WeightSender:
                 self.buffers = [torch.empty(size, dtype=torch.uint8).share_memory_() for _ in range(2)]
                 self.queue.put(("buffers", self.buffers, self.layout))
             i, self.syncs = self.syncs % 2, self.syncs + 1
+            deadline = time.time() + timeout
             while self.loaded.value < self.held[i]:  # the worker still needs what this buffer holds
                 check_alive()
+                if time.time() > deadline:
+                    raise SystemExit(f"the generation worker has not loaded weights version {self.held[i]} in "
+                                     f"{timeout:.0f} s (--data_timeout): see its log above")
                 time.sleep(0.001)
             for name, view in tensors_in(self.buffers[i], self.layout).items():
                 view.copy_(state_dict[name])
@@ -279,7 +283,7 @@ def sync_weights(sender, engine, version, cfg, check_alive):
     """Every rank calls it: under ZeRO-3 every rank takes part in gathering the weights whole;
     each rank that runs a worker (sender not None) sends them to it."""
     if sender is not None:
-        sender.send(engine.module, version, cfg.zero_stage, check_alive)
+        sender.send(engine.module, version, cfg.zero_stage, check_alive, cfg.data_timeout)
     elif cfg.zero_stage == 3:
         import deepspeed
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):

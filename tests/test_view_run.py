@@ -129,6 +129,19 @@ def test_without_completions_the_page_says_which_flag_logs_them(run_dir):
     assert "No completions were logged" in text and "--log_completions_every N" in text
 
 
+def test_the_run_doctors_warnings_are_listed_and_kept_out_of_the_curves(run_dir):
+    message = "no group had reward variance in the last 10 batches <b>"
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 61, "warning": "no_signal", "message": message}) + "\n")
+    out = view_run(run_dir)
+    assert out.returncode == 0, out.stderr[-2000:]
+    page = (run_dir / "report.html").read_text()
+    text, _ = parse(page)
+    assert "Run doctor" in text and "no_signal at step 61: " + message in text
+    assert "10 batches &lt;b&gt;" in page  # the message is text, escaped
+    assert "60 steps logged" in text  # the warning line is not a step
+
+
 def test_a_missing_run_directory_is_named(tmp_path):
     out = view_run(tmp_path / "no_such_run")
     assert out.returncode != 0 and str(tmp_path / "no_such_run") in out.stderr and "not found" in out.stderr

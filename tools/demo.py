@@ -5,7 +5,7 @@
 1. starts ref_server.py in the background and waits for its /health;
 2. evaluates the shipped model greedily on the held-out test split;
 3. trains with grpo_train.py or grpo_vllm_one.py (--trainer);
-4. evaluates the final checkpoint the same way;
+4. evaluates the final checkpoint the same way (the trainer has written runs/NAME/report.html);
 5. prints both and one last JSON line {"before": {...}, "after": {...}, "minutes": m}.
 The server and trainer are stopped at the end, on errors, on Ctrl-C and on SIGTERM.
 """
@@ -98,7 +98,7 @@ def main():
               "minutes": round((time.time() - t0) / 60, 2)}
     print(f"\naccuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}, "
           f"format {before['format_rate']:.3f} -> {after['format_rate']:.3f}; "
-          f"curves: runs/{run_name}/curves.png")
+          f"curves: runs/{run_name}/curves.png, report: runs/{run_name}/report.html")
     print(json.dumps(report))
 
 
