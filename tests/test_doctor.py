@@ -113,7 +113,8 @@ def test_stop_on_turns_a_rule_into_a_stop_and_rejects_unknown_names(tmp_path):
 
 
 def test_quiet_on_the_tiny_demos_healthy_metrics(tmp_path):
-    """Every step of a make demo run (seed 0, 450 steps, committed as tests/data/demo_metrics.jsonl)."""
+    """Every step of a make demo run (seed 0, 450 steps, 0.424 -> 0.536; the doctor's keys of its metrics.jsonl,
+    committed as tests/data/demo_metrics.jsonl)."""
     d, path = doctor(tmp_path)
     rows = [json.loads(line) for line in open(os.path.join(ROOT, "tests", "data", "demo_metrics.jsonl"))]
     for row in rows:
