@@ -99,10 +99,22 @@ def remove_partial(run_dir):
             shutil.rmtree(os.path.join(run_dir, d))
 
 
+def keep_log_until(path, step):
+    """Keep a JSON-lines log's lines up to `step` (0: none). Steps after a checkpoint are run again
+    on --resume, and a line cut short by a kill is dropped."""
+    rows = []
+    if step > 0 and os.path.exists(path):
+        with open(path) as f:
+            rows = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= step]
+    if rows or os.path.exists(path):
+        with open(path, "w") as f:
+            f.writelines(rows)
+
+
 def open_run(cfg, engine):
-    """runs/RUN_NAME/ with this config and its metrics.jsonl: a new run starts both afresh; with
-    --resume, the latest checkpoint is loaded into the engine and the metrics are kept up to
-    its step. Returns (run_dir, metrics_path, first step to run, the trainer state saved)."""
+    """runs/RUN_NAME/ with this config and its metrics.jsonl (and completions.jsonl): a new run starts
+    them afresh; with --resume, the latest checkpoint is loaded into the engine and the logs are kept
+    up to its step. Returns (run_dir, metrics_path, first step to run, the trainer state saved)."""
     run_dir = os.path.join("runs", cfg.run_name)
     os.makedirs(run_dir, exist_ok=True)
     metrics_path, first_step, state = os.path.join(run_dir, "metrics.jsonl"), 1, None
@@ -113,8 +125,6 @@ def open_run(cfg, engine):
     if cfg.resume:
         done, state = load_checkpoint(engine, run_dir)
         first_step = done + 1
-        with open(metrics_path) as f:  # steps after the checkpoint are run again (and a line cut short by a kill)
-            rows = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= done]
         print(f"{run_dir}: resuming after step {done}")
     else:
         stale = [d for d in os.listdir(run_dir) if d.startswith("step_")] if rank0 else []
@@ -122,11 +132,10 @@ def open_run(cfg, engine):
             print(f"{run_dir}: removing {len(stale)} checkpoints of an earlier run ({', '.join(sorted(stale))})")
             for d in stale:
                 shutil.rmtree(os.path.join(run_dir, d))
-        rows = []
     if rank0:
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump(asdict(cfg), f, indent=1)
-        with open(metrics_path, "w") as f:
-            f.writelines(rows)
+        for log in (metrics_path, os.path.join(run_dir, "completions.jsonl")):
+            keep_log_until(log, first_step - 1)
     barrier()
     return run_dir, metrics_path, first_step, state

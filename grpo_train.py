@@ -26,18 +26,21 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
+from checkpoint import open_run, save_checkpoint
 from completions_log import log_batch_completions
 from data import load_problems, make_prompt, stop_token_ids
 from devices import max_over_ranks
 from doctor import RunDoctor, batch_summary, parse_stop_on
-from grpo_math import (LOSS_TYPES, completion_mask, group_advantages, grpo_loss, is_truncated, prefill_prompts,
-                       sequence_logps)
-from checkpoint import open_run, save_checkpoint
 from ds_config import deepspeed_config, uses_bf16, zero_stage
-from metrics import Tracker, finish_run, log_step
+from engine import grad_norm, make_engine
+from grpo_math import LOSS_TYPES, completion_mask, grpo_loss, is_truncated, prefill_prompts, sequence_logps
+from memory_plan import show_plan
+from metrics import Tracker, add_part_stats, log_step
+from preflight import preflight
 from protocol import post_groups, ref_request, take_group
-from rewards import load_reward_file, parse_reward_spec, reference_answer, score
-from triton_loss import choose_loss_impl
+from report import finish_run
+from rewards import load_reward_file, parse_reward_spec
+from rollouts import collate, make_groups, rollout_stats, score_groups
 
 
 @dataclass
@@ -158,50 +161,6 @@ def generate(model, tokenizer, prompts, cfg, stop_ids, synced_gpus=False):
     return ids, mask, out[:, ids.size(1):]
 
 
-def score_groups(completions, problems, G, weights):
-    """rewards (Q*G,) and the per-completion scores, for completions grouped by problem."""
-    scores = [score(text, reference_answer(problems[i // G]["answer"]), weights)
-              for i, text in enumerate(completions)]
-    return torch.tensor([s["reward"] for s in scores]), scores
-
-
-def make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, old_logps=None, keep_equal=False,
-                scale_rewards="group", scores=None):
-    """One group (tensors, meta) per prompt whose rewards differ, ready to post, and has_signal (Q,).
-    A group whose rewards are all equal teaches nothing (every advantage is 0): it is dropped,
-    unless keep_equal (regroup_ver/ pools it with other answers to the same question). scores: each
-    completion's reward breakdown (rewards.score), carried in the group's meta for the completions log."""
-    advantages = group_advantages(rewards, G, scale_rewards)
-    has_signal = rewards.view(-1, G).std(1) > 0
-    groups = []
-    for q in torch.nonzero(has_signal | keep_equal).flatten().tolist():
-        rows = slice(q * G, (q + 1) * G)
-        C = int(mask[rows].sum(1).max())  # trim the group's common padding
-        tensors = {"prompt_ids": prompt_rows[q], "completion_ids": completion_ids[rows, :C],
-                   "rewards": rewards[rows].float(), "advantages": advantages[rows].float()}
-        if old_logps is not None:
-            tensors["old_logps"] = old_logps[rows, :C].float()
-        groups.append((tensors, dict(meta, **({"scores": scores[rows]} if scores else {}))))
-    return groups, has_signal
-
-
-def rollout_stats(rewards, scores, mask, has_signal, gen_s, truncated):
-    """What one step's rollouts say, for the log: all groups, dropped ones included. truncated (Q*G,):
-    the completions cut off at max_new_tokens (grpo_math.is_truncated)."""
-    each = {}
-    for name in (n for n in scores[0] if n != "reward"):  # each reward function's mean and spread
-        values = torch.tensor([s[name] for s in scores], dtype=torch.float)
-        each.update({f"reward_{name}": values.mean().item(), f"reward_{name}_std": values.std().item()})
-    lengths = mask.sum(1)
-    return {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(), **each,
-            "accuracy": sum(s["correctness"] for s in scores) / len(scores),
-            "format_rate": sum(s["format"] for s in scores) / len(scores),
-            "completion_len": lengths.mean().item(), "completion_len_min": int(lengths.min()),
-            "completion_len_max": int(lengths.max()), "truncated_frac": truncated.float().mean().item(),
-            "zero_var_frac": 1 - has_signal.float().mean().item(),
-            "tokens_per_s": mask.sum().item() / gen_s, "gen_s": gen_s}
-
-
 # ---------------------------------------------------------------------------- the reference server
 def get_ref_logps(cfg, groups, run_id, bar):
     """Post each group, take the finished groups back (FIFO) with ref_logps added; the bar says so."""
@@ -217,96 +176,7 @@ def get_ref_logps(cfg, groups, run_id, bar):
     return finished
 
 
-def collate(groups, pad_id):
-    """One batch from finished groups: one left-padded prompt row per group (Q, P), and the
-    groups' completions right-padded, group after group (Q*G, C), with their per-token tensors."""
-    P = max(g["prompt_ids"].numel() for g in groups)
-    C = max(g["completion_ids"].size(1) for g in groups)
-    per_token = [k for k in ("ref_logps", "old_logps") if all(k in g for g in groups)]  # beta 0: no ref_logps
-    rows = {k: [] for k in ("prompt_ids", "prompt_mask", "completion_ids", "advantages", *per_token)}
-    for g in groups:
-        p, c = g["prompt_ids"], g["completion_ids"]
-        rows["prompt_ids"].append(torch.cat([torch.full((P - p.numel(),), pad_id), p])[None])
-        rows["prompt_mask"].append((torch.arange(P) >= P - p.numel()).long()[None])
-        rows["completion_ids"].append(torch.nn.functional.pad(c, (0, C - c.size(1)), value=pad_id))
-        for k in per_token:
-            rows[k].append(torch.nn.functional.pad(g[k], (0, C - c.size(1))))
-        rows["advantages"].append(g["advantages"])
-    return {k: torch.cat(v) for k, v in rows.items()}
-
-
-# ---------------------------------------------------------------------------- logging
-def grad_norm(engine):
-    """The gradients' 2-norm before clipping, where they sit whole on the parameters (ZeRO 0);
-    None under ZeRO 1-3, which partition them and keep the norm in the engine after step()."""
-    grads = [p.grad.norm() for p in engine.module.parameters() if p.grad is not None]
-    return torch.stack(grads).norm().item() if grads else None
-
-
-def add_part_stats(stats, part, share):
-    """Fold one micro-batch's diagnostics into the step's: *_min and *_max keep the extremes, the rest
-    are token means, weighted by the part's share of the step's tokens."""
-    for key, value in part.items():
-        if key.endswith("_max"):
-            stats[key] = max(stats.get(key, value), value)
-        elif key.endswith("_min"):
-            stats[key] = min(stats.get(key, value), value)
-        else:
-            stats[key] = stats.get(key, 0.0) + value * share
-
-
-def setup_distributed():
-    """Let plain `python grpo_train.py` run as a one-process DeepSpeed job."""
-    # MASTER_PORT 0: the one rank's store takes whatever port the OS gives it when it listens (a
-    # port picked free beforehand could be taken by then: it was, once, by a vLLM worker starting)
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": "0"}.items():
-        os.environ.setdefault(key, value)
-    # keep DeepSpeed's compiled ops between runs (the first build takes about a minute)
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                               ".cache", "torch_extensions"))
-
-
-# ---------------------------------------------------------------------------- training
-def show_plan(cfg):
-    """The memory plan (memory_plan.py) from the model's config, before any weight is loaded.
-    --plan prints it and stops; on a GPU, a run that cannot fit stops here with the plan."""
-    if not (cfg.plan or torch.cuda.is_available()):
-        return
-    from memory_plan import format_plan, plan_json, plan_memory
-    try:
-        plan = plan_memory(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    except ValueError as e:
-        if cfg.plan:
-            raise SystemExit(f"memory plan: {e}") from None
-        print(f"memory plan skipped: {e}")  # e.g. a hub model not downloaded yet: the run goes on
-        return
-    print(format_plan(plan))
-    if cfg.plan:
-        print(plan_json(plan))
-        raise SystemExit(0)
-    if not plan["fits"]:
-        raise SystemExit("this run does not fit (memory plan above): change what it says, or check the plan "
-                         "for another GPU size with --plan --plan_gpu_gb N")
-
-
-def make_engine(cfg):
-    """The policy as a DeepSpeed engine, and its tokenizer (seeds set first)."""
-    setup_distributed()
-    cfg.loss_impl = choose_loss_impl(cfg.loss_impl)  # checked before the slow start-up
-    import deepspeed
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    torch.set_num_threads(cfg.threads)
-    random.seed(cfg.seed), torch.manual_seed(cfg.seed)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, cfg.dtype))
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=deepspeed_config(cfg)[0])
-    return engine, tokenizer
-
-
+# ---------------------------------------------------------------------------- the update
 def grpo_update(engine, batch, cfg, stop_ids, weight=1.0):
     """The GRPO update on one collated batch: the loss's diagnostics, and the per-token log-probs.
 
@@ -369,27 +239,6 @@ def grpo_update(engine, batch, cfg, stop_ids, weight=1.0):
         stats["grad_norm"] = None  # no update was taken
     stats["skipped_updates"] = int(skipped)
     return stats, torch.cat(new_logps)
-
-
-def preflight(cfg):
-    """--preflight: tools/probe.py on the first preflight_n problems, in a process of its own (its vLLM
-    engine and memory go when it ends). Stops here when no group would have any reward variance."""
-    import json
-    import subprocess
-    import sys
-    flags = ["model", "dataset", "dataset_config", "split", "question_field", "answer_field", "prompt_format",
-             "num_generations", "max_new_tokens", "temperature", "dtype", "seed", "reward_funcs", "reward_weights",
-             "reward_file"]
-    args = [f"--{flag}={getattr(cfg, flag)}" for flag in flags] + [f"--n={cfg.preflight_n}"]
-    print(f"pre-flight: probing {cfg.preflight_n} problems x {cfg.num_generations} completions (tools/probe.py)")
-    probe = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools", "probe.py")
-    out = subprocess.run([sys.executable, probe, *args], stdout=subprocess.PIPE, text=True)
-    print(out.stdout, end="")
-    if out.returncode != 0:
-        raise SystemExit(f"pre-flight probe failed with exit code {out.returncode} (its output is above)")
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    if result["zero_var_frac"] >= 1.0:
-        raise SystemExit(f"pre-flight: {result['verdict']}. Not training (run without --preflight to train anyway)")
 
 
 def main(cfg: Config):

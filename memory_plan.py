@@ -228,3 +228,25 @@ if __name__ == "__main__":
     plan = plan_memory(args, world_size=args.world_size)
     print(format_plan(plan))
     print(plan_json(plan))
+
+
+def show_plan(cfg):
+    """The memory plan (memory_plan.py) from the model's config, before any weight is loaded.
+    --plan prints it and stops; on a GPU, a run that cannot fit stops here with the plan."""
+    import torch
+    if not (cfg.plan or torch.cuda.is_available()):
+        return
+    try:
+        plan = plan_memory(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError as e:
+        if cfg.plan:
+            raise SystemExit(f"memory plan: {e}") from None
+        print(f"memory plan skipped: {e}")  # e.g. a hub model not downloaded yet: the run goes on
+        return
+    print(format_plan(plan))
+    if cfg.plan:
+        print(plan_json(plan))
+        raise SystemExit(0)
+    if not plan["fits"]:
+        raise SystemExit("this run does not fit (memory plan above): change what it says, or check the plan "
+                         "for another GPU size with --plan --plan_gpu_gb N")

@@ -1,5 +1,5 @@
-"""The run's log: one JSON line per step in runs/NAME/metrics.jsonl, its curves in curves.png, and
-at the end report.html (tools/view_run.py). --report_to also sends each step to TensorBoard or W&B.
+"""The run's log: one JSON line per step in runs/NAME/metrics.jsonl, and the curves drawn from it
+(report.py writes them to curves.png and report.html). --report_to also sends each step to TensorBoard or W&B.
 
 metrics.jsonl holds step records ({"step": 3, "reward_mean": ...}) and the run doctor's warnings
 ({"step": 3, "warning": "kl", "message": ...}, doctor.py); readers tell them apart by "warning"."""
@@ -10,7 +10,7 @@ import os
 
 from tqdm import tqdm
 
-# what curves.png shows, 2 rows of 4; report.html shows more (tools/view_run.py)
+# what curves.png shows, 2 rows of 4; report.html shows more (report.CURVE_KEYS)
 CURVES = ["reward_mean", "accuracy", "format_rate", "kl", "completion_len", "zero_var_frac", "entropy",
           "truncated_frac"]
 TRACKERS = {"tensorboard": ("tensorboard", "pip install tensorboard"), "wandb": ("wandb", "pip install wandb")}
@@ -61,6 +61,18 @@ def is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def add_part_stats(stats, part, share):
+    """Fold one micro-batch's diagnostics into the step's: *_min and *_max keep the extremes, the rest
+    are token means, weighted by the part's share of the step's tokens."""
+    for key, value in part.items():
+        if key.endswith("_max"):
+            stats[key] = max(stats.get(key, value), value)
+        elif key.endswith("_min"):
+            stats[key] = min(stats.get(key, value), value)
+        else:
+            stats[key] = stats.get(key, 0.0) + value * share
+
+
 def log_step(metrics_path, record, tracker=None):
     if record.get("skipped_updates"):
         tqdm.write(f"warning: step {record['step']}: non-finite loss or gradient, update skipped")
@@ -82,22 +94,6 @@ def read_metrics(metrics_path):
                     raise SystemExit(f"{metrics_path}, line {lineno}: not valid JSON ({e.msg})") from None
                 (warnings if "warning" in row else steps).append(row)
     return steps, warnings
-
-
-def finish_run(run_dir, last_step, rank, tracker=None):
-    """End of training: rank 0 plots the curves and writes report.html; every rank says where the results are."""
-    metrics_path, curves = os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "curves.png")
-    if rank == 0:
-        if tracker is not None:
-            tracker.close()
-        rows, _ = read_metrics(metrics_path)
-        png = curves_png(rows, CURVES, columns=4)
-        if png is not None:
-            with open(curves, "wb") as f:
-                f.write(png)
-        from tools.view_run import write_report
-        write_report(run_dir)
-    print(f"done: {run_dir}/step_{last_step} ({metrics_path}, {curves}, {run_dir}/report.html)")
 
 
 def running_mean(values, window):

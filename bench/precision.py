@@ -26,8 +26,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from data import make_prompt, stop_token_ids  # noqa: E402
 from grpo_math import completion_mask, grpo_loss, sequence_logps  # noqa: E402
-from grpo_train import collate, load_data  # noqa: E402
-from grpo_vllm_one import Config, sample, start_vllm  # noqa: E402
+from grpo_train import load_data  # noqa: E402
+from rollouts import collate  # noqa: E402
+from grpo_vllm_one import Config  # noqa: E402
+from vllm_engine import sample, start_vllm  # noqa: E402
 
 
 def gradient(model, batch, mask, temperature, old_from_sampler, tis_cap):

@@ -3,7 +3,7 @@
     python bench/weight_sync.py [--repeats 3] [--models tiny,qwen2.5-0.5b-config]
 
 The worker is a spawned process holding a vLLM engine, as in grpo_vllm_one.py.
-  in memory: grpo_vllm_one.WeightSender (one copy into a shared-memory buffer, a message on a
+  in memory: weight_sync.WeightSender (one copy into a shared-memory buffer, a message on a
              queue) and the worker's receive_weights (reload_weights + reset_prefix_cache);
   disk:      save_pretrained to a directory, then the worker's reload_weights(weights_path=...).
 Both times run from the trainer starting the sync to the worker answering that it is done.
@@ -25,7 +25,9 @@ import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from grpo_vllm_one import Config, WeightSender, receive_weights, start_vllm  # noqa: E402
+from grpo_vllm_one import Config  # noqa: E402
+from vllm_engine import start_vllm  # noqa: E402
+from weight_sync import WeightSender, receive_weights  # noqa: E402
 
 # Qwen/Qwen2.5-0.5B's config.json, the fields that set the shapes
 QWEN05 = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,

@@ -108,7 +108,7 @@ def test_kills_during_and_between_saves_then_resume_continue_the_same_run(server
     # the resumed curve continues the interrupted one: the same data, rewards and losses as without faults
     for got, want in zip(rows, reference):
         assert got["reward_mean"] == want["reward_mean"] and abs(got["loss"] - want["loss"]) < 1e-5, (got, want)
-    assert sorted(os.listdir(run_dir)) == sorted(["config.json", "metrics.jsonl", "curves.png",
+    assert sorted(os.listdir(run_dir)) == sorted(["config.json", "metrics.jsonl", "curves.png", "report.html",
                                                   "step_2", "step_4", "step_6"])
     for step in (2, 4, 6):
         assert os.path.exists(os.path.join(run_dir, f"step_{step}", "model.safetensors"))
@@ -125,7 +125,8 @@ def test_resume_without_a_checkpoint_says_so(server, tmp_path):  # noqa: F811
 
 NONFINITE = r"""
 import json, sys, torch
-from grpo_train import Config, make_engine, grpo_update
+from engine import make_engine
+from grpo_train import Config, grpo_update
 cfg = Config(zero_stage=int(sys.argv[1]), threads=1)
 engine, tok = make_engine(cfg)
 g = torch.Generator().manual_seed(0)

@@ -14,7 +14,9 @@ from transformers import AutoModelForCausalLM
 
 from data import chat_prompt, load_jsonl
 from grpo_math import completion_mask, sequence_logps
-from grpo_vllm_one import Config, WeightSender, load_weights, receive_weights, sample, start_vllm
+from grpo_vllm_one import Config
+from vllm_engine import sample, start_vllm
+from weight_sync import WeightSender, load_weights, receive_weights
 from tests.test_ref_server import server  # noqa: F401 - the live server fixture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

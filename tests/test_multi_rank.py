@@ -19,7 +19,8 @@ import json, os, sys
 import torch
 import torch.distributed as dist
 sys.path.insert(0, os.getcwd())
-from grpo_train import Config, check_options, grpo_update, make_engine
+from engine import make_engine
+from grpo_train import Config, check_options, grpo_update
 from grpo_math import sequence_logps
 from checkpoint import save_checkpoint
 

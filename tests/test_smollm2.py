@@ -95,7 +95,8 @@ def logp_differences(model_path, dtype):
     worker does, and compare the sampler's log-probs with the trainer's (grpo_math.sequence_logps on a
     transformers model in the same dtype) over the completion tokens. Starts a vLLM engine: run it in a
     process of its own."""
-    from grpo_vllm_one import Config, sample, start_vllm
+    from grpo_vllm_one import Config
+    from vllm_engine import sample, start_vllm
     from tests.test_grpo_vllm_one import CFG as TINY_CFG, trainer_logps
     cfg = Config(model=model_path, num_generations=4, max_new_tokens=24, temperature=0.7, max_model_len=512)
     assert cfg.temperature == TINY_CFG.temperature  # trainer_logps divides the logits by that one

@@ -12,7 +12,8 @@ import torch
 import rewards
 from data import chat_prompt, load_jsonl
 from grpo_math import completion_mask, sequence_logps
-from grpo_train import Config, check_options, grpo_update, main, make_engine
+from engine import make_engine
+from grpo_train import Config, check_options, grpo_update, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "models", "tiny-math")

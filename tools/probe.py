@@ -30,8 +30,9 @@ from completions_log import completion_rows, log_completions, pick_groups  # noq
 from data import make_prompt, stop_token_ids  # noqa: E402
 from evaluate import context_length  # noqa: E402
 from grpo_math import completion_mask, group_advantages, is_truncated, sequence_logps  # noqa: E402
-from grpo_train import collate, load_data, make_groups, rollout_stats, score_groups  # noqa: E402
-from grpo_vllm_one import sample, start_vllm  # noqa: E402
+from grpo_train import load_data  # noqa: E402
+from rollouts import collate, make_groups, rollout_stats, score_groups  # noqa: E402
+from vllm_engine import sample, start_vllm  # noqa: E402
 from rewards import load_reward_file, parse_reward_spec  # noqa: E402
 
 MOST = 0.5  # "most groups are all-alike" from this share on

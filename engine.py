@@ -1,0 +1,44 @@
+"""The policy as a DeepSpeed engine: one process or many (deepspeed/torchrun launchers), any ZeRO stage."""
+import os
+import random
+
+import torch
+
+from ds_config import deepspeed_config
+from triton_loss import choose_loss_impl
+
+
+def setup_distributed():
+    """Let plain `python grpo_train.py` run as a one-process DeepSpeed job."""
+    # MASTER_PORT 0: the one rank's store takes whatever port the OS gives it when it listens (a port
+    # picked free beforehand could be taken by another process before the store binds it)
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "0"}.items():
+        os.environ.setdefault(key, value)
+    # keep DeepSpeed's compiled ops between runs (the first build takes about a minute)
+    root = os.path.dirname(os.path.abspath(__file__))
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(root, ".cache", "torch_extensions"))
+
+
+def make_engine(cfg):
+    """The policy as a DeepSpeed engine, and its tokenizer (seeds set first)."""
+    setup_distributed()
+    cfg.loss_impl = choose_loss_impl(cfg.loss_impl)  # checked before the slow start-up
+    import deepspeed
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    torch.set_num_threads(cfg.threads)
+    random.seed(cfg.seed), torch.manual_seed(cfg.seed)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, cfg.dtype))
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=deepspeed_config(cfg)[0])
+    return engine, tokenizer
+
+
+def grad_norm(engine):
+    """The gradients' 2-norm before clipping, where they sit whole on the parameters (ZeRO 0);
+    None under ZeRO 1-3, which partition them and keep the norm in the engine after step()."""
+    grads = [p.grad.norm() for p in engine.module.parameters() if p.grad is not None]
+    return torch.stack(grads).norm().item() if grads else None

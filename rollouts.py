@@ -1,0 +1,71 @@
+"""From sampled completions to trainable groups: rewards, group-relative advantages, the dropping of
+groups with no signal, what a batch of rollouts says for the log, and the padded batch the update takes.
+
+Shapes: Q prompts, G completions each (Q*G rows, group after group), P prompt and C completion tokens.
+"""
+import torch
+
+from grpo_math import group_advantages
+from rewards import reference_answer, score
+
+
+def score_groups(completions, problems, G, weights):
+    """rewards (Q*G,) and the per-completion scores, for completions grouped by problem."""
+    scores = [score(text, reference_answer(problems[i // G]["answer"]), weights)
+              for i, text in enumerate(completions)]
+    return torch.tensor([s["reward"] for s in scores]), scores
+
+
+def make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, old_logps=None, keep_equal=False,
+                scale_rewards="group", scores=None):
+    """One group (tensors, meta) per prompt whose rewards differ, ready to post, and has_signal (Q,).
+    A group whose rewards are all equal teaches nothing (every advantage is 0): it is dropped,
+    unless keep_equal (regroup_ver/ pools it with other answers to the same question). scores: each
+    completion's reward breakdown (rewards.score), carried in the group's meta for the completions log."""
+    advantages = group_advantages(rewards, G, scale_rewards)
+    has_signal = rewards.view(-1, G).std(1) > 0
+    groups = []
+    for q in torch.nonzero(has_signal | keep_equal).flatten().tolist():
+        rows = slice(q * G, (q + 1) * G)
+        C = int(mask[rows].sum(1).max())  # trim the group's common padding
+        tensors = {"prompt_ids": prompt_rows[q], "completion_ids": completion_ids[rows, :C],
+                   "rewards": rewards[rows].float(), "advantages": advantages[rows].float()}
+        if old_logps is not None:
+            tensors["old_logps"] = old_logps[rows, :C].float()
+        groups.append((tensors, dict(meta, **({"scores": scores[rows]} if scores else {}))))
+    return groups, has_signal
+
+
+def rollout_stats(rewards, scores, mask, has_signal, gen_s, truncated):
+    """What one step's rollouts say, for the log: all groups, dropped ones included. truncated (Q*G,):
+    the completions cut off at max_new_tokens (grpo_math.is_truncated)."""
+    each = {}
+    for name in (n for n in scores[0] if n != "reward"):  # each reward function's mean and spread
+        values = torch.tensor([s[name] for s in scores], dtype=torch.float)
+        each.update({f"reward_{name}": values.mean().item(), f"reward_{name}_std": values.std().item()})
+    lengths = mask.sum(1)
+    return {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(), **each,
+            "accuracy": sum(s["correctness"] for s in scores) / len(scores),
+            "format_rate": sum(s["format"] for s in scores) / len(scores),
+            "completion_len": lengths.mean().item(), "completion_len_min": int(lengths.min()),
+            "completion_len_max": int(lengths.max()), "truncated_frac": truncated.float().mean().item(),
+            "zero_var_frac": 1 - has_signal.float().mean().item(),
+            "tokens_per_s": mask.sum().item() / gen_s, "gen_s": gen_s}
+
+
+def collate(groups, pad_id):
+    """One batch from finished groups: one left-padded prompt row per group (Q, P), and the
+    groups' completions right-padded, group after group (Q*G, C), with their per-token tensors."""
+    P = max(g["prompt_ids"].numel() for g in groups)
+    C = max(g["completion_ids"].size(1) for g in groups)
+    per_token = [k for k in ("ref_logps", "old_logps") if all(k in g for g in groups)]  # beta 0: no ref_logps
+    rows = {k: [] for k in ("prompt_ids", "prompt_mask", "completion_ids", "advantages", *per_token)}
+    for g in groups:
+        p, c = g["prompt_ids"], g["completion_ids"]
+        rows["prompt_ids"].append(torch.cat([torch.full((P - p.numel(),), pad_id), p])[None])
+        rows["prompt_mask"].append((torch.arange(P) >= P - p.numel()).long()[None])
+        rows["completion_ids"].append(torch.nn.functional.pad(c, (0, C - c.size(1)), value=pad_id))
+        for k in per_token:
+            rows[k].append(torch.nn.functional.pad(g[k], (0, C - c.size(1))))
+        rows["advantages"].append(g["advantages"])
+    return {k: torch.cat(v) for k, v in rows.items()}

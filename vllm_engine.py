@@ -1,0 +1,40 @@
+"""vLLM as the trainers' sampler: an in-process engine, and G completions per prompt with their log-probs.
+
+Used by grpo_vllm_one.py's generation worker, tools/probe.py, evaluate-style benches and tests.
+"""
+import os
+
+import torch
+
+
+def start_vllm(cfg):
+    """An in-process vLLM engine (no engine subprocess: weights can be handed to it directly)
+    that reports the log-probs of sampled tokens after temperature, as the trainer computes them."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+    return LLM(model=cfg.model, dtype=cfg.dtype, seed=cfg.seed, enforce_eager=not torch.cuda.is_available(),
+               tensor_parallel_size=cfg.gen_tp,
+               max_model_len=cfg.max_model_len, gpu_memory_utilization=cfg.gen_memory or 0.3,
+               logprobs_mode="processed_logprobs")
+
+
+def sample(llm, prompts, cfg, stop_ids=()):
+    """G completions per prompt, each ending at its first stop token (or EOS): prompt rows [(P,)],
+    completion_ids (Q*G, C) right-padded with pad, and the sampler's per-token log-probs
+    old_logps (Q*G, C), group after group."""
+    from vllm import SamplingParams
+    params = SamplingParams(n=cfg.num_generations, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
+                            min_tokens=cfg.min_new_tokens, stop_token_ids=list(stop_ids),
+                            logprobs=0)  # logprobs=0: just the sampled token's
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    pad = llm.get_tokenizer().pad_token_id
+    completions = [c for out in outputs for c in out.outputs]
+    C = max(len(c.token_ids) for c in completions)
+    completion_ids = torch.full((len(completions), C), pad, dtype=torch.long)
+    old_logps = torch.zeros(len(completions), C)
+    for i, c in enumerate(completions):
+        completion_ids[i, :len(c.token_ids)] = torch.tensor(c.token_ids)
+        old_logps[i, :len(c.token_ids)] = torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+    prompt_rows = [torch.tensor(out.prompt_token_ids) for out in outputs]
+    return prompt_rows, completion_ids, old_logps
