@@ -33,6 +33,7 @@ from devices import max_over_ranks
 from doctor import RunDoctor, batch_summary, parse_stop_on
 from ds_config import deepspeed_config, uses_bf16, zero_stage
 from engine import grad_norm, make_engine
+from flags import flag, parse_flags
 from grpo_math import LOSS_TYPES, completion_mask, grpo_loss, is_truncated, prefill_prompts, sequence_logps
 from memory_plan import show_plan
 from metrics import Tracker, add_part_stats, log_step
@@ -45,69 +46,65 @@ from rollouts import collate, make_groups, rollout_stats, score_groups
 
 @dataclass
 class Config:
-    model: str = "models/tiny-math"  # policy initialisation (HF directory or hub name)
-    # problems: a .jsonl/.json/.parquet/.csv file, or a hub dataset name (with its config and split)
-    dataset: str = "data/toy_math/train.jsonl"
-    dataset_config: str = ""  # e.g. "main" for openai/gsm8k
-    split: str = "train"
-    question_field: str = "question"  # the fields holding the question and the "... #### N" answer
-    answer_field: str = "answer"
-    prompt_format: str = "chat"  # chat: the model's chat template; raw: plain text (base models without one)
-    ref_url: str = "http://127.0.0.1:59875"  # the reference server (python ref_server.py)
-    run_name: str = "demo"  # outputs go to runs/RUN_NAME/
-    seed: int = 0
-    steps: int = 200
-    batch_prompts: int = 8  # problems per step
-    num_generations: int = 8  # completions per problem (the group size G)
-    max_new_tokens: int = 48
-    min_new_tokens: int = 0  # no EOS before this many tokens (benchmarks at a fixed completion length)
-    # sampling temperature; log-probs use the same one. On the tiny model 0.7 beat 1.0 and 0.5
-    # (dev greedy accuracy after 150 steps: 0.434 vs 0.406; after 300: 0.48 vs 0.406 for 0.5)
-    temperature: float = 0.7
-    # Adam's first steps move every weight by about lr, whatever the gradient: 1e-4 took SmolLM2-135M's
-    # KL to the reference to 239 in one step. 1e-6 is TRL's default; the tiny model's demo uses 1e-4
-    lr: float = 1e-6
-    beta: float = 0.04  # weight of the KL penalty to the reference model; 0: no reference server
-    kl_estimator: str = "k3"  # k1, k2 or k3 (grpo_math.kl_estimate)
-    num_iterations: int = 1  # optimizer steps per batch of rollouts (TRL's num_iterations, PPO's epochs)
-    micro_batch_groups: int = 0  # groups per forward/backward (0: the whole batch at once); less memory, same step
-    epsilon: float = 0.2  # PPO clip range: ratio in [1 - epsilon, 1 + epsilon_high]
-    epsilon_high: Optional[float] = None  # default: epsilon; 0.28 for dapo (clip-higher); 4.0 for cispo
-    loss_type: str = "grpo"  # grpo, bnpo, dr_grpo, dapo or cispo (grpo_math.aggregate)
-    importance_sampling_level: str = "token"  # token, or sequence (GSPO)
-    scale_rewards: str = ""  # group, batch or none (default: group; none for dr_grpo)
-    mask_truncated_completions: bool = False  # completions cut off without EOS get no gradient
-    loss_impl: str = "torch"  # "triton": fused kernels (triton_loss/), same numbers; torch where Triton can't run
-    reward_funcs: str = "correctness,format"  # names in rewards.REWARD_FUNCS; reward = weighted sum
-    reward_weights: str = "1.0,0.5"
-    reward_file: str = ""  # a .py file whose @reward_function-decorated functions add rewards
-    save_every: int = 100  # steps between checkpoints (and one at the end)
-    zero_stage: int = 0  # DeepSpeed ZeRO stage (0-3)
-    dtype: str = "float32"  # float32, or bfloat16 (bf16 weights and activations, fp32 master weights and Adam)
-    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
-    offload_optimizer: bool = False  # ZeRO-1/2/3: optimizer state and fp32 master weights in host RAM
-    deepspeed: str = ""  # a whole DeepSpeed config (JSON); its values win over these flags, "auto" takes the flag's
-    plan: bool = False  # print the memory plan (memory_plan.py) and exit
-    plan_gpu_gb: float = 0.0  # the GPU size to plan for (0: this machine's GPU)
-    threads: int = 2  # CPU threads for torch
-    ref_token: str = ""  # the ref server's shared token, if it has one (default: $SIMPLE_GRPO_TOKEN)
-    ref_timeout: float = 120.0  # seconds to wait for a finished group (or for room in a full queue)
-    peer_timeout: float = 30.0  # seconds the ref server may not answer at all before the run stops
-    resume: bool = False  # continue runs/RUN_NAME from its latest checkpoint
-    log_completions_every: int = 10  # every N steps, one group's completions to runs/NAME/completions.jsonl (0: never)
-    report_to: str = "none"  # none, tensorboard or wandb: also send the metrics there (metrics.jsonl is always written)
-    preflight: bool = False  # first run tools/probe.py on preflight_n problems; stop if no group would have signal
-    preflight_n: int = 64  # problems the pre-flight probe samples
-    # the run doctor (doctor.py): warnings in plain words; --stop_on no_signal,kl,... stops the run when one fires
-    stop_on: str = ""  # rules that stop the run: no_signal, kl, entropy, truncated, mismatch, ratio (comma-separated)
-    doctor_window: int = 10  # batches in a row with no signal (no_signal), and steps the other rules average over
-    doctor_kl_max: float = 5.0  # kl: KL to the reference above this (the tiny demo peaks near 1.3)
-    doctor_kl_jump: float = 20.0  # kl: or above 1 and this many times its mean over the window before
-    doctor_entropy_drop: float = 0.1  # entropy: the window's mean below this fraction of the first window's
-    doctor_truncated_max: float = 0.5  # truncated: more than this share of completions cut off at max_new_tokens
-    doctor_gap_max: float = 0.1  # mismatch: vLLM vs trainer log-prob gap per token (bf16 SmolLM2: ~0.03)
-    doctor_ratio_band: float = 0.1  # ratio: the window's mean importance ratio further than this from 1
-    local_rank: int = -1  # set by the deepspeed launcher
+    SECTIONS = {"model": "model and data", "num_generations": "sampling", "beta": "objective (grpo_math.py)",
+                "lr": "optimisation", "zero_stage": "systems", "run_name": "output", "stop_on": "the run doctor"}
+    model: str = flag("models/tiny-math", "the policy's starting point: an HF model directory or hub name")
+    dataset: str = flag("data/toy_math/train.jsonl", "problems: a .jsonl/.json/.parquet/.csv file or a hub dataset")
+    dataset_config: str = flag("", "a hub dataset's config, e.g. main for openai/gsm8k")
+    split: str = flag("train", "a hub dataset's split")
+    question_field: str = flag("question", "the field holding the question")
+    answer_field: str = flag("answer", 'the field holding the "... #### N" answer')
+    prompt_format: str = flag("chat", "chat: the model's chat template; raw: plain text (base models without one)")
+    reward_funcs: str = flag("correctness,format", "reward functions (rewards.REWARD_FUNCS); reward = weighted sum")
+    reward_weights: str = flag("1.0,0.5", "one weight per reward function")
+    reward_file: str = flag("", "a .py file whose @reward_function-decorated functions add rewards")
+    num_generations: int = flag(8, "completions per problem: the group size G")
+    batch_prompts: int = flag(8, "problems per step")
+    max_new_tokens: int = flag(48, "the longest completion, in tokens")
+    min_new_tokens: int = flag(0, "no stop token before this many tokens (benchmarks at a fixed length)")
+    temperature: float = flag(0.7, "sampling temperature; the log-probs are of the same distribution")
+    beta: float = flag(0.04, "weight of the KL penalty to the reference model; 0: no reference server")
+    kl_estimator: str = flag("k3", "k1, k2 or k3 (grpo_math.kl_estimate)")
+    epsilon: float = flag(0.2, "PPO clip range: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]")
+    epsilon_high: Optional[float] = flag(None, "upper clip (default: epsilon; 0.28 for dapo, 4.0 for cispo)")
+    loss_type: str = flag("grpo", "grpo, bnpo, dr_grpo, dapo or cispo: how tokens are averaged (grpo_math.aggregate)")
+    importance_sampling_level: str = flag("token", "token, or sequence (GSPO)")
+    scale_rewards: str = flag("", "advantage scale: group, batch or none (default: group; none for dr_grpo)")
+    mask_truncated_completions: bool = flag(False, "completions cut off without a stop token get no gradient")
+    lr: float = flag(1e-6, "Adam's learning rate; 1e-6 (TRL's) suits pretrained models, the tiny demo takes 1e-4")
+    steps: int = flag(200, "optimizer steps (one batch of rollouts each)")
+    num_iterations: int = flag(1, "optimizer steps per batch of rollouts (TRL's num_iterations, PPO's epochs)")
+    micro_batch_groups: int = flag(0, "groups per forward/backward (0: the whole batch); less memory, same step")
+    seed: int = flag(0, "seed of the problem draws and the sampling")
+    zero_stage: int = flag(0, "DeepSpeed ZeRO stage (0-3)")
+    dtype: str = flag("float32", "float32, or bfloat16 (bf16 weights and activations, fp32 master weights and Adam)")
+    gradient_checkpointing: bool = flag(False, "recompute activations in backward: less memory, ~1/3 more compute")
+    offload_optimizer: bool = flag(False, "ZeRO-1/2/3: optimizer state and fp32 master weights in host RAM")
+    deepspeed: str = flag("", "a whole DeepSpeed config (JSON): its values win over these flags, 'auto' takes theirs")
+    loss_impl: str = flag("torch", "triton: fused kernels (triton_loss/), the same numbers; torch where Triton can't")
+    plan: bool = flag(False, "print the memory plan (memory_plan.py) and exit")
+    plan_gpu_gb: float = flag(0.0, "the GPU size to plan for (0: this machine's GPU)")
+    threads: int = flag(2, "CPU threads for torch")
+    ref_url: str = flag("http://127.0.0.1:59875", "the reference server (python ref_server.py)")
+    ref_token: str = flag("", "the ref server's shared token, if it has one (default: $SIMPLE_GRPO_TOKEN)")
+    ref_timeout: float = flag(120.0, "seconds to wait for a finished group, or for room in a full queue")
+    peer_timeout: float = flag(30.0, "seconds the ref server may not answer at all before the run stops")
+    local_rank: int = flag(-1, "set by the deepspeed launcher")
+    run_name: str = flag("demo", "outputs go to runs/RUN_NAME/")
+    save_every: int = flag(100, "steps between checkpoints (and one at the end)")
+    resume: bool = flag(False, "continue runs/RUN_NAME from its latest checkpoint")
+    log_completions_every: int = flag(10, "every N steps, one group's completions to completions.jsonl (0: never)")
+    report_to: str = flag("none", "none, tensorboard or wandb: send the metrics there too (metrics.jsonl stays)")
+    preflight: bool = flag(False, "first probe preflight_n problems (tools/probe.py); stop if no group has signal")
+    preflight_n: int = flag(64, "problems the pre-flight probe samples")
+    stop_on: str = flag("", "doctor rules that stop the run: no_signal, kl, entropy, truncated, mismatch, ratio")
+    doctor_window: int = flag(10, "batches in a row with no signal (no_signal); steps the other rules average")
+    doctor_kl_max: float = flag(5.0, "kl: KL to the reference above this (the tiny demo peaks near 1.3)")
+    doctor_kl_jump: float = flag(20.0, "kl: or above 1 and this many times its mean over the window before")
+    doctor_entropy_drop: float = flag(0.1, "entropy: the window's mean below this fraction of the first window's")
+    doctor_truncated_max: float = flag(0.5, "truncated: more than this share of completions cut off")
+    doctor_gap_max: float = flag(0.1, "mismatch: vLLM vs trainer log-prob gap per token (bf16 SmolLM2: ~0.03)")
+    doctor_ratio_band: float = flag(0.1, "ratio: the window's mean importance ratio further than this from 1")
 
 
 def check_options(cfg):
@@ -321,6 +318,4 @@ def main(cfg: Config):
 
 
 if __name__ == "__main__":
-    from transformers import HfArgumentParser
-    (config,) = HfArgumentParser(Config).parse_args_into_dataclasses()
-    main(config)
+    main(parse_flags(Config, __doc__))

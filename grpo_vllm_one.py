@@ -42,6 +42,7 @@ from progress import WorkerProgress
 from rewards import extract_answer
 from checkpoint import open_run, save_checkpoint
 from engine import make_engine
+from flags import flag, parse_flags
 from grpo_train import Config as TrainConfig, check_options, grpo_update, load_data
 from memory_plan import show_plan
 from preflight import preflight
@@ -56,28 +57,22 @@ from worker_process import local_world_size, start_worker, stop_worker, take_loc
 
 @dataclass
 class Config(TrainConfig):
-    run_name: str = "vllm_one"
-    threads: int = 1  # trainer's CPU threads: the worker has its own core(s) on a CPU machine
-    # vLLM's first GPU, a physical id as nvidia-smi numbers it (devices.generation_gpus); -1: the first GPU
-    # no trainer rank of this node uses (on a one-GPU machine, the trainer's own)
-    gen_device: int = -1
-    gen_tp: int = 1  # vLLM tensor-parallel size: the worker takes gen_tp devices from gen_device on
-    gen_every: int = 0  # one generation worker per this many trainer ranks (0: one per node)
-    gen_threads: int = 1  # CPU machines: cores given to the worker's vLLM (the last ones)
-    gen_memory: float = 0.0  # vLLM's gpu_memory_utilization; 0: 0.9 on GPUs of its own, 0.3 beside the trainer
-    # truncated importance sampling: each token weighted by min(pi_old / pi_sampler, tis_cap)
-    # (grpo_math.truncated_is_weight); 0: none, vLLM's log-probs are the ratio's old ones
-    tis_cap: float = 2.0
-    sync_every: int = 1  # optimizer steps between weight syncs to the worker
-    max_policy_lag: int = 1  # the worker waits rather than sample with weights older than this
-    max_model_len: int = 512
-    # regroup_ver/: upload every group, all-alike ones too, and ask such a question once more when
-    # its answers differ; ref_server_regroup.py pools the answers and serves groups with mixed rewards
-    regroup: bool = False
-    max_completions: int = 0  # stop once the worker has generated this many completions (0: run all --steps)
-    startup_timeout: float = 1200.0  # seconds the generation worker may take to start vLLM (load, compile)
-    # seconds the trainer waits for its next batch once vLLM is up (and the worker for new weights)
-    data_timeout: float = 600.0
+    SECTIONS = {**TrainConfig.SECTIONS, "gen_device": "the generation worker (vLLM)"}
+    run_name: str = flag("vllm_one", "outputs go to runs/RUN_NAME/")
+    threads: int = flag(1, "the trainer's CPU threads (on a CPU machine the worker has cores of its own)")
+    gen_device: int = flag(-1, "vLLM's first GPU as nvidia-smi numbers it; -1: the first no trainer rank uses")
+    gen_tp: int = flag(1, "vLLM tensor-parallel size: GPUs gen_device, gen_device + 1, ...")
+    gen_every: int = flag(0, "one generation worker per this many trainer ranks (0: one per node)")
+    gen_threads: int = flag(1, "CPU machines: cores given to the worker's vLLM (the last ones)")
+    gen_memory: float = flag(0.0, "vLLM's gpu_memory_utilization; 0: 0.9 on a GPU of its own, 0.3 beside the trainer")
+    max_model_len: int = flag(512, "vLLM's context length: prompt + completion")
+    tis_cap: float = flag(2.0, "truncated importance sampling: tokens weighted by min(pi_old / pi_vLLM, cap); 0: off")
+    sync_every: int = flag(1, "optimizer steps between weight syncs to the worker")
+    max_policy_lag: int = flag(1, "the worker waits rather than sample with weights older than this")
+    regroup: bool = flag(False, "regroup_ver/: upload all groups; the regrouping server serves mixed-reward ones")
+    max_completions: int = flag(0, "stop once the worker has generated this many completions (0: run all steps)")
+    startup_timeout: float = flag(1200.0, "seconds the generation worker may take to start vLLM (load, compile)")
+    data_timeout: float = flag(600.0, "seconds to wait for a batch once vLLM is up (the worker: for new weights)")
 
 
 # ---------------------------------------------------------------------------- generation worker
@@ -287,6 +282,4 @@ def main(cfg: Config):
 
 
 if __name__ == "__main__":
-    from transformers import HfArgumentParser
-    (config,) = HfArgumentParser(Config).parse_args_into_dataclasses()
-    main(config)
+    main(parse_flags(Config, __doc__))

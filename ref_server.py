@@ -32,22 +32,23 @@ import bottle
 import torch
 
 from grpo_math import sequence_logps
+from flags import flag, parse_flags
 from protocol import TOKEN_ENV, check_rollout, decode, encode
 
 
 @dataclass
 class ServerConfig:
-    model: str = "models/tiny-math"  # the reference model (usually the policy's starting point)
-    host: str = "127.0.0.1"  # loopback only unless told otherwise
-    token: str = ""  # shared secret required on every request (default: $SIMPLE_GRPO_TOKEN); must be set off loopback
-    port: int = 59875
-    device: str = "cpu"
-    dtype: str = "float32"  # float32, bfloat16 or float16
-    threads: int = 1  # CPU threads for the reference forward pass
-    max_queue: int = 256  # groups waiting in each direction; /upload answers 503 when full
-    max_queue_mb: int = 512  # ... or when the uploads held in the queues pass this many MB
-    max_body_mb: int = 16  # one upload
-    max_group_size: int = 256  # completions in one group
+    model: str = flag("models/tiny-math", "the reference model (usually the policy's starting point)")
+    host: str = flag("127.0.0.1", "the address to listen on: loopback only unless told otherwise")
+    token: str = flag("", "shared secret every request must carry (default: $SIMPLE_GRPO_TOKEN); needed off loopback")
+    port: int = flag(59875, "the port to listen on")
+    device: str = flag("cpu", "where the reference model runs: cpu, cuda, cuda:1, ...")
+    dtype: str = flag("float32", "float32, bfloat16 or float16")
+    threads: int = flag(1, "CPU threads for the reference forward pass")
+    max_queue: int = flag(256, "groups waiting in each direction; /upload answers 503 when full")
+    max_queue_mb: int = flag(512, "... or when the uploads held in the queues pass this many MB")
+    max_body_mb: int = flag(16, "the largest upload, in MB")
+    max_group_size: int = flag(256, "the most completions in one group")
 
 
 def add_ref_logps(model, tensors, meta, device):
@@ -249,6 +250,4 @@ def main(cfg: ServerConfig):
 
 
 if __name__ == "__main__":
-    from transformers import HfArgumentParser
-    (server_config,) = HfArgumentParser(ServerConfig).parse_args_into_dataclasses()
-    main(server_config)
+    main(parse_flags(ServerConfig, __doc__))

@@ -20,9 +20,10 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from completions_log import read_completions
+from flags import flag
 from metrics import CURVES, curves_png, is_number, read_metrics
 
 # the curves, in this order, whichever of them the run logged
@@ -36,12 +37,10 @@ SPECIAL_TOKEN = re.compile(r"<\|[^|<>]*\|>")  # <|im_start|>, <|eot_id|>: chat-t
 
 @dataclass
 class ViewConfig:
-    run_dir: str = field(default="", metadata={"help": "the run's directory, runs/NAME (also the first positional "
-                                                       "argument)"})
-    out: str = field(default="", metadata={"help": "where to write the page (default: RUN_DIR/report.html)"})
-    completions_per_step: int = field(default=4, metadata={"help": "completions shown per logged step"})
-    steps_shown: int = field(default=12, metadata={"help": "logged steps shown at most: the first, the last and "
-                                                           "evenly spaced ones between"})
+    run_dir: str = flag("", "the run's directory, runs/NAME (also the first positional argument)")
+    out: str = flag("", "where to write the page (default: RUN_DIR/report.html)")
+    completions_per_step: int = flag(4, "completions shown per logged step")
+    steps_shown: int = flag(12, "logged steps shown at most: the first, the last and evenly spaced ones between")
 
 
 # ---------------------------------------------------------------------------- reading the run

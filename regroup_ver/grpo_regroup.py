@@ -13,16 +13,15 @@ import sys
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the main code, one level up
+from flags import flag, parse_flags  # noqa: E402
 from grpo_vllm_one import Config, main  # noqa: E402
 
 
 @dataclass
 class RegroupConfig(Config):
-    run_name: str = "regroup"
-    regroup: bool = True
+    run_name: str = flag("regroup", "outputs go to runs/RUN_NAME/")
+    regroup: bool = flag(True, "upload all groups; the regrouping server serves mixed-reward ones")
 
 
 if __name__ == "__main__":
-    from transformers import HfArgumentParser
-    (config,) = HfArgumentParser(RegroupConfig).parse_args_into_dataclasses()
-    main(config)
+    main(parse_flags(RegroupConfig, __doc__))

@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the main code, one level up
 from grpo_math import completion_mask, group_advantages  # noqa: E402
+from flags import flag, parse_flags  # noqa: E402
 from protocol import encode  # noqa: E402
 from ref_server import (ServerConfig, add_ref_logps, add_token_check_and_health, answer, load_model,  # noqa: E402
                         read_rollout, serve, wait_seconds)
@@ -35,11 +36,11 @@ from ref_server import (ServerConfig, add_ref_logps, add_token_check_and_health,
 
 @dataclass
 class RegroupConfig(ServerConfig):
-    num_generations: int = 8  # answers in a served group (the trainer's G)
-    max_policy_lag: int = 4  # answers this many versions older than the newest seen are evicted
-    pool_size: int = 32  # answers kept per question (the oldest go first)
-    max_questions: int = 2048  # questions pooled (the least recently answered go first)
-    max_ready: int = 16  # served groups waiting for trainers; /upload answers 503 beyond it
+    num_generations: int = flag(8, "answers in a served group (the trainer's G)")
+    max_policy_lag: int = flag(4, "answers this many versions older than the newest seen are evicted")
+    pool_size: int = flag(32, "answers kept per question (the oldest go first)")
+    max_questions: int = flag(2048, "questions pooled (the least recently answered go first)")
+    max_ready: int = flag(16, "served groups waiting for trainers; /upload answers 503 beyond it")
 
 
 class Pools:
@@ -193,7 +194,7 @@ def make_app(model, tokenizer, cfg: RegroupConfig):
 
 
 if __name__ == "__main__":
-    from transformers import AutoTokenizer, HfArgumentParser
-    (config,) = HfArgumentParser(RegroupConfig).parse_args_into_dataclasses()
+    from transformers import AutoTokenizer
+    config = parse_flags(RegroupConfig, __doc__)
     serve(make_app(load_model(config), AutoTokenizer.from_pretrained(config.model), config), config,
           name="regroup ref server")

@@ -19,7 +19,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +28,7 @@ sys.path.insert(0, ROOT)
 # noqa: E402 below - these imports come after the path fix that lets the script import them
 from completions_log import completion_rows, log_completions, pick_groups  # noqa: E402
 from data import make_prompt, stop_token_ids  # noqa: E402
+from flags import flag, parse_flags  # noqa: E402
 from evaluate import context_length  # noqa: E402
 from grpo_math import completion_mask, group_advantages, is_truncated, sequence_logps  # noqa: E402
 from grpo_train import load_data  # noqa: E402
@@ -38,39 +39,31 @@ from rewards import load_reward_file, parse_reward_spec  # noqa: E402
 MOST = 0.5  # "most groups are all-alike" from this share on
 
 
-def help_text(text):
-    return {"help": text}
-
-
 @dataclass
 class ProbeConfig:
-    model: str = field(default="models/tiny-math", metadata=help_text("the starting model: HF directory or hub name"))
-    dataset: str = field(default="data/toy_math/train.jsonl",
-                         metadata=help_text("problems: a .jsonl/.json/.parquet/.csv file or a hub dataset name"))
-    dataset_config: str = field(default="", metadata=help_text("hub datasets: the config, e.g. main for openai/gsm8k"))
-    split: str = field(default="train", metadata=help_text("hub datasets: the split"))
-    question_field: str = field(default="question", metadata=help_text("the field holding the question"))
-    answer_field: str = field(default="answer", metadata=help_text("the field holding the '... #### N' answer"))
-    prompt_format: str = field(default="chat", metadata=help_text("chat: the model's chat template; raw: plain text"))
-    n: int = field(default=200, metadata=help_text("probe the first n problems"))
-    num_generations: int = field(default=8, metadata=help_text("completions per problem (the group size G)"))
-    max_new_tokens: int = field(default=48, metadata=help_text("longest completion, in tokens, as in training"))
-    min_new_tokens: int = field(default=0, metadata=help_text("no stop token before this many tokens"))
-    temperature: float = field(default=0.7, metadata=help_text("sampling temperature, as in training"))
-    dtype: str = field(default="float32", metadata=help_text("vLLM's dtype: float32 or bfloat16"))
-    seed: int = field(default=0, metadata=help_text("vLLM's sampling seed"))
-    reward_funcs: str = field(default="correctness,format",
-                              metadata=help_text("reward names (rewards.REWARD_FUNCS); reward = weighted sum"))
-    reward_weights: str = field(default="1.0,0.5", metadata=help_text("one weight per reward function"))
-    reward_file: str = field(default="", metadata=help_text("a .py file whose @reward_function functions add rewards"))
-    max_model_len: int = field(default=0, metadata=help_text("vLLM's context (0: the longest prompt + max_new_tokens)"))
-    gen_tp: int = field(default=1, metadata=help_text("vLLM tensor-parallel size (GPUs)"))
-    gen_memory: float = field(default=0.0, metadata=help_text("vLLM's gpu_memory_utilization (0: 0.3)"))
-    log_completions: str = field(default="", metadata=help_text(
-        "also write a few groups to this completions.jsonl (completions_log.py), for tools/view_run.py"))
-    log_groups: int = field(default=4, metadata=help_text("groups written by --log_completions"))
-    log_step: int = field(default=0, metadata=help_text(
-        "the step --log_completions tags rows with (a checkpoint's step when probing runs/NAME/step_N)"))
+    model: str = flag("models/tiny-math", "the starting model: HF directory or hub name")
+    dataset: str = flag("data/toy_math/train.jsonl", "problems: a .jsonl/.json/.parquet/.csv file or a hub dataset")
+    dataset_config: str = flag("", "hub datasets: the config, e.g. main for openai/gsm8k")
+    split: str = flag("train", "hub datasets: the split")
+    question_field: str = flag("question", "the field holding the question")
+    answer_field: str = flag("answer", 'the field holding the "... #### N" answer')
+    prompt_format: str = flag("chat", "chat: the model's chat template; raw: plain text")
+    n: int = flag(200, "probe the first n problems")
+    num_generations: int = flag(8, "completions per problem (the group size G)")
+    max_new_tokens: int = flag(48, "longest completion, in tokens, as in training")
+    min_new_tokens: int = flag(0, "no stop token before this many tokens")
+    temperature: float = flag(0.7, "sampling temperature, as in training")
+    dtype: str = flag("float32", "vLLM's dtype: float32 or bfloat16")
+    seed: int = flag(0, "vLLM's sampling seed")
+    reward_funcs: str = flag("correctness,format", "reward names (rewards.REWARD_FUNCS); reward = weighted sum")
+    reward_weights: str = flag("1.0,0.5", "one weight per reward function")
+    reward_file: str = flag("", "a .py file whose @reward_function functions add rewards")
+    max_model_len: int = flag(0, "vLLM's context (0: the longest prompt + max_new_tokens)")
+    gen_tp: int = flag(1, "vLLM tensor-parallel size (GPUs)")
+    gen_memory: float = flag(0.0, "vLLM's gpu_memory_utilization (0: 0.3)")
+    log_completions: str = flag("", "also write a few groups to this completions.jsonl, for tools/view_run.py")
+    log_groups: int = flag(4, "groups written by --log_completions")
+    log_step: int = flag(0, "the step --log_completions tags rows with (a checkpoint's step: runs/NAME/step_N)")
 
 
 # ---------------------------------------------------------------------------- setting up
@@ -244,6 +237,4 @@ def probe(cfg):
 
 
 if __name__ == "__main__":
-    from transformers import HfArgumentParser
-    (config,) = HfArgumentParser(ProbeConfig).parse_args_into_dataclasses()
-    probe(config)
+    probe(parse_flags(ProbeConfig, __doc__))

@@ -7,15 +7,16 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from report import ViewConfig, write_report  # noqa: E402 - after the path fix that lets the script import it
+# noqa: E402 below - these imports come after the path fix that lets the script import them
+from flags import parse_flags  # noqa: E402
+from report import ViewConfig, write_report  # noqa: E402
 
 
 def main(argv=None):
-    from transformers import HfArgumentParser
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and not argv[0].startswith("-"):  # the run directory as the first, positional argument
         argv = ["--run_dir", *argv]
-    (cfg,) = HfArgumentParser(ViewConfig).parse_args_into_dataclasses(args=argv)
+    cfg = parse_flags(ViewConfig, __doc__, argv)
     if not cfg.run_dir:
         raise SystemExit("give the run's directory: python tools/view_run.py runs/NAME")
     return write_report(cfg.run_dir, cfg.out, completions_per_step=cfg.completions_per_step,
