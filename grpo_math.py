@@ -9,13 +9,34 @@ log-probability of the better-than-average ones (Shao et al. 2024, DeepSeekMath)
     KL_t     = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                     k3 estimator, >= 0
     loss     = mean over sequences of [ mean over completion tokens of (L_clip_t + beta * KL_t) ]
 
-The variants of the papers that followed are options of the same few functions (names as in
-TRL's GRPOConfig): how the tokens are averaged (loss_type), whether the ratio is per token or per
+grpo_objective, first below, is that loss in a dozen lines, for reading. grpo_loss, last, computes
+the same number with the variants of the papers that followed as options (names as in TRL's
+GRPOConfig): how the tokens are averaged (loss_type), whether the ratio is per token or per
 sequence (importance_sampling_level, GSPO), which KL estimator, how rewards are scaled.
+
+Shapes: Q prompts, G completions per prompt, B = Q*G rows (the G completions of a prompt one after
+another), P prompt tokens, C completion tokens, V the vocabulary.
 """
 import torch
 
 
+# ---------------------------------------------------------------------------- GRPO in one function
+def grpo_objective(logps, old_logps, ref_logps, rewards, mask, G, beta=0.04, epsilon=0.2):
+    """The GRPO loss, term by term (tests/test_grpo_math.py: equal to grpo_loss's default).
+    logps, old_logps, ref_logps, mask: (B, C) per completion token; rewards: (B,)."""
+    r = rewards.view(-1, G)                                                           # (Q, G)
+    advantage = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1, 1)  # (B, 1)
+    ratio = torch.exp(logps - old_logps)                                              # pi / pi_old, per token
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon)                            # the trust region
+    surrogate = torch.min(ratio * advantage, clipped * advantage)                     # PPO's pessimistic bound
+    d = ref_logps - logps
+    kl = torch.exp(d) - d - 1                                                         # KL to the reference (k3)
+    per_token = -(surrogate - beta * kl)                                              # maximise A, stay near ref
+    per_completion = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)            # mean over its tokens
+    return per_completion.mean()                                                      # mean over completions
+
+
+# ---------------------------------------------------------------------------- log-probs
 class ChunkedLogProbs(torch.autograd.Function):
     """log softmax(logits / T)[token_ids] and its gradient, a few rows at a time.
 
@@ -144,6 +165,7 @@ def is_truncated(completion_ids, stop_ids):
     return ~torch.isin(completion_ids, torch.as_tensor(stop_ids, device=completion_ids.device)).any(1)
 
 
+# ---------------------------------------------------------------------------- masks and advantages
 def completion_mask(completion_ids, stop_ids, mask_truncated=False):
     """1 for tokens up to and including the first stop token, 0 after it, (B, C).
 
@@ -173,6 +195,7 @@ def group_advantages(rewards, group_size, scale_rewards="group", eps=1e-4):
     return centred.view(-1)
 
 
+# ---------------------------------------------------------------------------- the loss with all its options
 def kl_estimate(logps, ref_logps, estimator="k3"):
     """Per-token estimates of KL(policy || ref) from samples of the policy (Schulman 2020), with
     d = ref - logp:  k1 = -d (unbiased, can be negative);  k2 = d^2 / 2 (biased, low variance);
