@@ -239,7 +239,7 @@ def grpo_update(engine, batch, cfg, stop_ids, weight=1.0):
 
 
 def main(cfg: Config):
-    weights, problems = check_options(cfg), load_data(cfg)
+    reward_weights, problems = check_options(cfg), load_data(cfg)
     show_plan(cfg)
     if cfg.beta != 0:
         ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent
@@ -274,7 +274,7 @@ def main(cfg: Config):
         gen_s = time.time() - t0
 
         # 2. rewards and group-relative advantages; groups with no reward variance are dropped
-        rewards, scores = score_groups(texts, batch_problems, G, weights)
+        rewards, scores = score_groups(texts, batch_problems, G, reward_weights)
         prompt_rows = [ids[m.bool()] for ids, m in zip(prompt_ids, prompt_mask)]
         meta = {"run_id": run_id, "policy_version": step, "temperature": cfg.temperature}
         groups, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G, meta,

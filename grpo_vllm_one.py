@@ -14,10 +14,13 @@ Two processes, one pipeline:
                                                   send the full weights in memory
 
 While the trainer computes step s, the worker already samples the batch for step s+1 with
-slightly older weights. Each rollout carries the policy version that made it; the ratio
-exp(logp - old_logp) uses the log-probs vLLM reported at sampling time, so the update stays
-correct off-policy (PPO's clip bounds it), and the worker never runs more than
-`max_policy_lag` versions ahead. The math, rewards, data and logging are grpo_train's.
+slightly older weights (never more than `max_policy_lag` versions). Each rollout carries the policy
+version and vLLM's log-probs; the update weights each token by min(pi_old / pi_vLLM, tis_cap)
+(truncated importance sampling), so it stays correct off-policy and across the two engines' numerics.
+
+Read the lines marked `# GRPO n.` for the algorithm (the loss itself: grpo_math.py); the rest is
+plumbing: the worker process (worker_process.py), the weight channel (weight_sync.py), the waits
+(progress.py), the run doctor (doctor.py).
 """
 import dataclasses
 import logging
@@ -90,11 +93,11 @@ def gen_worker(cfg, run_id, ranks, channels, parent_pid):
     logging.getLogger("vllm").setLevel(logging.ERROR)  # started: its per-reload notes would flood the log
     tokenizer = llm.get_tokenizer()
     stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)
-    weights, problems = check_options(cfg), load_data(cfg)  # this process loads the reward file too
+    reward_weights, problems = check_options(cfg), load_data(cfg)  # this process loads the reward file too
     rng, G = random.Random(cfg.seed + ranks[0]), cfg.num_generations  # each worker its own draws
     # version: trainer steps in the loaded weights (None: resuming, the checkpoint's are on their way);
     # draws: batches of problems taken from rng so far, the data position a checkpoint records
-    version, batch, draws, shared, load_s = (None if cfg.resume else 0), 0, 0, {}, 0.0
+    version, batch_index, draws, shared, load_s = (None if cfg.resume else 0), 0, 0, {}, 0.0
     generated, ask_again = 0, []  # completions made so far; regroup: questions to ask once more
     world = int(os.environ.get("WORLD_SIZE", "1"))
     n = len(ranks)  # batch b goes to rank ranks[b % n]
@@ -102,7 +105,7 @@ def gen_worker(cfg, run_id, ranks, channels, parent_pid):
     while not channels.stop.is_set():
         # bounded staleness: batch b is trained at trainer step b+1, by weights of version b
         # (regroup: the server evicts old answers instead, and answers 503 when enough are ready)
-        must_wait = version is None or (not cfg.regroup and batch // n - version > cfg.max_policy_lag)
+        must_wait = version is None or (not cfg.regroup and batch_index // n - version > cfg.max_policy_lag)
         try:
             message = channels.weights.get(timeout=1.0) if must_wait else channels.weights.get_nowait()
         except queue.Empty:
@@ -110,9 +113,9 @@ def gen_worker(cfg, run_id, ranks, channels, parent_pid):
         waiting_since = (waiting_since or time.time()) if must_wait and message is None else None
         if waiting_since is not None and time.time() - waiting_since > cfg.data_timeout:
             raise SystemExit(f"generation worker: no new weights from the trainer in {cfg.data_timeout:.0f} s "
-                             f"(it has version {version}, needs {batch // n - cfg.max_policy_lag})")
+                             f"(it has version {version}, needs {batch_index // n - cfg.max_policy_lag})")
         if message is not None and message[0] == "resume":  # continue at the checkpoint's step and data
-            _, batch, draws = message
+            _, batch_index, draws = message
             for _ in range(draws):
                 rng.sample(problems, cfg.batch_prompts)
         elif message is not None:  # load all weights that came before sampling more
@@ -122,6 +125,7 @@ def gen_worker(cfg, run_id, ranks, channels, parent_pid):
         if message is not None or must_wait:
             continue
 
+        # GRPO 1. sample G completions per problem with the current policy (vLLM), with their log-probs
         t0 = time.time()
         batch_problems, draws = rng.sample(problems, cfg.batch_prompts) + ask_again, draws + 1
         prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format) for p in batch_problems]
@@ -130,11 +134,13 @@ def gen_worker(cfg, run_id, ranks, channels, parent_pid):
         texts = tokenizer.batch_decode(completion_ids * mask.long() + tokenizer.pad_token_id * (1 - mask.long()),
                                        skip_special_tokens=True)
         gen_s = time.time() - t0
-        rewards, scores = score_groups(texts, batch_problems, G, weights)
-        meta = {"run_id": rank_run_id(run_id, ranks[batch % n], world, cfg.regroup), "policy_version": version,
+        # GRPO 2. score them; group-relative advantages; groups whose rewards are all alike are dropped
+        rewards, scores = score_groups(texts, batch_problems, G, reward_weights)
+        meta = {"run_id": rank_run_id(run_id, ranks[batch_index % n], world, cfg.regroup), "policy_version": version,
                 "temperature": cfg.temperature}
         groups, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, old_logps,
                                          keep_equal=cfg.regroup, scale_rewards=cfg.scale_rewards, scores=scores)
+        # to the trainer: through the ref server (it adds ref_logps), or straight (beta 0); progress to the bar
         generated += completion_ids.size(0)
         stats = {**rollout_stats(rewards, scores, mask, has_signal, gen_s, is_truncated(completion_ids, stop_ids)),
                  "weights_load_s": load_s, "generated": generated}
@@ -145,12 +151,12 @@ def gen_worker(cfg, run_id, ranks, channels, parent_pid):
             ask_again = [p for q, p in enumerate(batch_problems[:cfg.batch_prompts])
                          if not has_signal[q] and len(set(answers[q * G:(q + 1) * G])) > 1]
         for _, m in groups:  # the trainer takes groups_in_batch groups as one batch
-            m.update(batch=batch, draws=draws, groups_in_batch=len(groups), stats=stats)
+            m.update(batch=batch_index, draws=draws, groups_in_batch=len(groups), stats=stats)
         if groups and uses_ref_server(cfg):
             post_groups(cfg, groups)
         for group in groups if not uses_ref_server(cfg) else []:
             channels.groups.put(group)  # local: tensors travel in shared memory, nothing is pickled over a network
-        batch += bool(groups)
+        batch_index += bool(groups)
 
 
 def rank_run_id(run_id, rank, world, regroup):
@@ -234,7 +240,7 @@ def main(cfg: Config):
                    disable=rank != 0)
         generated, trained, stop = 0, 0, None  # completions: made by the worker, in a trained group; doctor's stop
         for step in bar:
-            # 1. the next batch of groups the worker made, with ref_logps from the server
+            # GRPO 3. the next batch of groups the worker made, with the reference's log-probs (ref server)
             t0 = time.time()
             taken = [take(step)]
             n_groups = cfg.batch_prompts if cfg.regroup else taken[0][1]["groups_in_batch"]
@@ -246,18 +252,20 @@ def main(cfg: Config):
             trained += sum(g["completion_ids"].size(0) for g in groups)
             generated = max([generated] + [m["stats"]["generated"] for m in metas])
 
-            # 2. the GRPO update; old_logps are vLLM's, from the policy version that sampled
+            # GRPO 4. the update: grpo_math.grpo_loss on the batch, one optimizer step; old_logps are vLLM's
             batch = collate(groups, tokenizer.pad_token_id)
             stats, logps = grpo_update(engine, batch, cfg, stop_ids)
             compute_s = time.time() - t0 - wait_s
 
-            # 3. new weights to the worker, in memory
+            # GRPO 5. the worker samples the next batches with the new policy (weights sent in memory)
             if step % cfg.sync_every == 0 and step < cfg.steps:
                 sync_weights(sender, engine, step, cfg.zero_stage, check_worker, cfg.data_timeout)
             record = {"step": step, **meta["stats"], **stats, "policy_lag": step - 1 - oldest,
                       "generated": generated, "trained": trained,
                       "wait_s": wait_s, "compute_s": compute_s, "sync_s": time.time() - t0 - wait_s - compute_s,
                       "step_s": time.time() - t0}
+
+            # what this step measured: metrics.jsonl, a few completions, the run doctor's verdict
             stop = progress.update(step) if progress is not None else None  # the batches made meanwhile
             if rank == 0:  # rank 0's own batch and loss, a few of its completions, what the doctor makes of them
                 log_step(metrics_path, record, tracker)
