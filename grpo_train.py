@@ -42,27 +42,14 @@ from protocol import post_groups, ref_request, take_group
 from report import finish_run
 from rewards import load_reward_file, parse_reward_spec
 from rollouts import collate, make_groups, rollout_stats, score_groups
+from task import TaskConfig
 
 
 @dataclass
-class Config:
+class Config(TaskConfig):
     SECTIONS = {"model": "model and data", "num_generations": "sampling", "beta": "objective (grpo_math.py)",
                 "lr": "optimisation", "zero_stage": "systems", "run_name": "output", "stop_on": "the run doctor"}
-    model: str = flag("models/tiny-math", "the policy's starting point: an HF model directory or hub name")
-    dataset: str = flag("data/toy_math/train.jsonl", "problems: a .jsonl/.json/.parquet/.csv file or a hub dataset")
-    dataset_config: str = flag("", "a hub dataset's config, e.g. main for openai/gsm8k")
-    split: str = flag("train", "a hub dataset's split")
-    question_field: str = flag("question", "the field holding the question")
-    answer_field: str = flag("answer", 'the field holding the "... #### N" answer')
-    prompt_format: str = flag("chat", "chat: the model's chat template; raw: plain text (base models without one)")
-    reward_funcs: str = flag("correctness,format", "reward functions (rewards.REWARD_FUNCS); reward = weighted sum")
-    reward_weights: str = flag("1.0,0.5", "one weight per reward function")
-    reward_file: str = flag("", "a .py file whose @reward_function-decorated functions add rewards")
-    num_generations: int = flag(8, "completions per problem: the group size G")
     batch_prompts: int = flag(8, "problems per step")
-    max_new_tokens: int = flag(48, "the longest completion, in tokens")
-    min_new_tokens: int = flag(0, "no stop token before this many tokens (benchmarks at a fixed length)")
-    temperature: float = flag(0.7, "sampling temperature; the log-probs are of the same distribution")
     beta: float = flag(0.04, "weight of the KL penalty to the reference model; 0: no reference server")
     kl_estimator: str = flag("k3", "k1, k2 or k3 (grpo_math.kl_estimate)")
     epsilon: float = flag(0.2, "PPO clip range: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]")
@@ -75,7 +62,6 @@ class Config:
     steps: int = flag(200, "optimizer steps (one batch of rollouts each)")
     num_iterations: int = flag(1, "optimizer steps per batch of rollouts (TRL's num_iterations, PPO's epochs)")
     micro_batch_groups: int = flag(0, "groups per forward/backward (0: the whole batch); less memory, same step")
-    seed: int = flag(0, "seed of the problem draws and the sampling")
     zero_stage: int = flag(0, "DeepSpeed ZeRO stage (0-3)")
     dtype: str = flag("float32", "float32, or bfloat16 (bf16 weights and activations, fp32 master weights and Adam)")
     gradient_checkpointing: bool = flag(False, "recompute activations in backward: less memory, ~1/3 more compute")

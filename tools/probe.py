@@ -35,29 +35,15 @@ from grpo_train import load_data  # noqa: E402
 from rollouts import collate, make_groups, rollout_stats, score_groups  # noqa: E402
 from vllm_engine import sample, start_vllm  # noqa: E402
 from rewards import load_reward_file, parse_reward_spec  # noqa: E402
+from task import TaskConfig  # noqa: E402
 
 MOST = 0.5  # "most groups are all-alike" from this share on
 
 
 @dataclass
-class ProbeConfig:
-    model: str = flag("models/tiny-math", "the starting model: HF directory or hub name")
-    dataset: str = flag("data/toy_math/train.jsonl", "problems: a .jsonl/.json/.parquet/.csv file or a hub dataset")
-    dataset_config: str = flag("", "hub datasets: the config, e.g. main for openai/gsm8k")
-    split: str = flag("train", "hub datasets: the split")
-    question_field: str = flag("question", "the field holding the question")
-    answer_field: str = flag("answer", 'the field holding the "... #### N" answer')
-    prompt_format: str = flag("chat", "chat: the model's chat template; raw: plain text")
+class ProbeConfig(TaskConfig):
     n: int = flag(200, "probe the first n problems")
-    num_generations: int = flag(8, "completions per problem (the group size G)")
-    max_new_tokens: int = flag(48, "longest completion, in tokens, as in training")
-    min_new_tokens: int = flag(0, "no stop token before this many tokens")
-    temperature: float = flag(0.7, "sampling temperature, as in training")
     dtype: str = flag("float32", "vLLM's dtype: float32 or bfloat16")
-    seed: int = flag(0, "vLLM's sampling seed")
-    reward_funcs: str = flag("correctness,format", "reward names (rewards.REWARD_FUNCS); reward = weighted sum")
-    reward_weights: str = flag("1.0,0.5", "one weight per reward function")
-    reward_file: str = flag("", "a .py file whose @reward_function functions add rewards")
     max_model_len: int = flag(0, "vLLM's context (0: the longest prompt + max_new_tokens)")
     gen_tp: int = flag(1, "vLLM tensor-parallel size (GPUs)")
     gen_memory: float = flag(0.0, "vLLM's gpu_memory_utilization (0: 0.3)")
