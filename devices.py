@@ -54,6 +54,12 @@ def generation_gpus(gen_device, gen_tp, trainer_gpus, physical):
     return ids, any(g in trainer_gpus for g in ids)
 
 
+def vllm_memory_share(gen_memory, shared_gpu):
+    """vLLM's gpu_memory_utilization: --gen_memory when given, else 0.9 of a GPU of its own or 0.3 of one
+    it shares with a trainer (or with anything else: the probe, a bench)."""
+    return gen_memory or (0.3 if shared_gpu else 0.9)
+
+
 def collective_device():
     """Where a tensor for a collective must live: the process group's own device type. NCCL takes
     only CUDA tensors (a CPU tensor stops the run), gloo takes CPU ones."""

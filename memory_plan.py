@@ -30,6 +30,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from devices import vllm_memory_share
+
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 BUCKET_ELEMENTS = 5e8  # DeepSpeed's reduce_bucket_size default: one gradient bucket this long
@@ -105,7 +107,7 @@ def plan_memory(cfg, world_size=1, gpu_gb=None):
     dtype, stage, offload = get("dtype", "float32"), get("zero_stage", 0), get("offload_optimizer", False)
     checkpointing, tp = get("gradient_checkpointing", False), get("gen_tp", 1)
     uses_vllm = hasattr(cfg, "gen_memory")  # grpo_vllm_one; grpo_train generates on the training GPU
-    gen_memory = get("gen_memory", 0.0) or 0.9  # 0: grpo_vllm_one's default, 0.9 of a GPU of its own
+    gen_memory = vllm_memory_share(get("gen_memory", 0.0), shared_gpu=False)  # the plan gives vLLM a GPU of its own
     prompts, G, per_part = get("batch_prompts", 8), get("num_generations", 8), get("micro_batch_groups", 0)
     new_tokens = get("max_new_tokens", 48)
     seq_len = get("max_model_len", new_tokens + 512)  # grpo_train has no such limit: prompts of up to 512

@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from devices import vllm_memory_share
+
 
 def start_vllm(cfg):
     """An in-process vLLM engine (no engine subprocess: weights can be handed to it directly)
@@ -15,7 +17,7 @@ def start_vllm(cfg):
     from vllm import LLM
     return LLM(model=cfg.model, dtype=cfg.dtype, seed=cfg.seed, enforce_eager=not torch.cuda.is_available(),
                tensor_parallel_size=cfg.gen_tp,
-               max_model_len=cfg.max_model_len, gpu_memory_utilization=cfg.gen_memory or 0.3,
+               max_model_len=cfg.max_model_len, gpu_memory_utilization=vllm_memory_share(cfg.gen_memory, shared_gpu=True),
                logprobs_mode="processed_logprobs")
 
 

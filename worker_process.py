@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from devices import generation_gpus, physical_gpus, visible_gpus
+from devices import generation_gpus, physical_gpus, visible_gpus, vllm_memory_share
 
 
 @dataclass
@@ -52,7 +52,7 @@ def start_worker(target, cfg, *args):
         physical = physical_gpus()
         trainer_gpus = visible_gpus(physical)[:local_world_size(1)]
         gpus, shared_gpu = generation_gpus(cfg.gen_device, cfg.gen_tp, trainer_gpus, physical)
-        cfg = dataclasses.replace(cfg, gen_memory=cfg.gen_memory or (0.3 if shared_gpu else 0.9))
+        cfg = dataclasses.replace(cfg, gen_memory=vllm_memory_share(cfg.gen_memory, shared_gpu))
         env.update(CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)), CUDA_DEVICE_ORDER="PCI_BUS_ID")
         print(f"generation worker: vLLM on GPU {gpus} (gpu_memory_utilization {cfg.gen_memory}), "
               f"trainer on GPU {trainer_gpus}")
