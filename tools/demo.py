@@ -64,8 +64,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=450)
-    # grpo_vllm_one: its worker samples the next batch while the trainer computes; on this
-    # 2-core CPU that made a step ~1.4x faster than grpo_train's (bench/trainers.py)
+    # grpo_vllm_one, the script the project is named for: its worker samples the next batch while the
+    # trainer computes (bench/trainers.py compares the two)
     ap.add_argument("--trainer", default="grpo_vllm_one", choices=["grpo_train", "grpo_vllm_one"])
     ap.add_argument("--run_name", default=None, help="default: demo_seedN (grpo_train), demo_vllm_seedN")
     ap.add_argument("train_args", nargs="*", help="extra trainer flags, after --")
