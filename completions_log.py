@@ -26,6 +26,8 @@ import os
 
 import torch
 
+from grpo_math import completion_mask
+
 REQUIRED_KEYS = ("prompt", "completion", "reward")
 PER_TOKEN_KEYS = ("logps", "sampler_logps", "ratio")
 
@@ -119,7 +121,6 @@ def log_batch_completions(run_dir, step, tokenizer, batch, scores, stop_ids, log
     to run_dir/completions.jsonl, with the trainer's per-token log-probs `logps` (Q*G, C) and, where
     another engine sampled (batch["old_logps"], vLLM's), the sampler's and the ratio pi_trainer / pi_sampler.
     scores: each completion's reward breakdown, in the batch's order."""
-    from grpo_math import completion_mask
     Q = batch["prompt_ids"].size(0)
     G = batch["completion_ids"].size(0) // Q
     prompts = [tokenizer.decode(ids[m.bool()], skip_special_tokens=False)
