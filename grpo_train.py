@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from checkpoint import open_run, save_checkpoint
 from completions_log import log_batch_completions
-from data import load_problems, make_prompt, stop_token_ids
+from data import make_prompt, stop_token_ids
 from devices import max_over_ranks
 from doctor import RunDoctor, batch_summary, parse_stop_on
 from ds_config import deepspeed_config, uses_bf16, zero_stage
@@ -40,9 +40,8 @@ from metrics import Tracker, add_part_stats, log_step
 from preflight import preflight
 from protocol import post_groups, ref_request, take_group
 from report import finish_run
-from rewards import load_reward_file, parse_reward_spec
 from rollouts import collate, make_groups, rollout_stats, score_groups
-from task import TaskConfig
+from task import TaskConfig, check_task, load_data
 
 
 @dataclass
@@ -101,12 +100,11 @@ def check_options(cfg):
     if cfg.epsilon_high is None:
         cfg.epsilon_high = {"dapo": 0.28, "cispo": 4.0}.get(cfg.loss_type, cfg.epsilon)
     cfg.scale_rewards = cfg.scale_rewards or ("none" if cfg.loss_type == "dr_grpo" else "group")
-    for flag, allowed in (("scale_rewards", ("group", "batch", "none")), ("kl_estimator", ("k1", "k2", "k3")),
-                          ("importance_sampling_level", ("token", "sequence")), ("prompt_format", ("chat", "raw"))):
-        if getattr(cfg, flag) not in allowed:
-            raise SystemExit(f"unknown --{flag} {getattr(cfg, flag)!r}: use one of {', '.join(allowed)}")
-    if cfg.reward_file:
-        load_reward_file(cfg.reward_file)
+    for name, allowed in (("scale_rewards", ("group", "batch", "none")), ("kl_estimator", ("k1", "k2", "k3")),
+                          ("importance_sampling_level", ("token", "sequence"))):
+        if getattr(cfg, name) not in allowed:
+            raise SystemExit(f"unknown --{name} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}")
+    reward_weights = check_task(cfg)  # the model, data, reward and sampling flags (task.py)
     parse_stop_on(cfg.stop_on)
     Tracker.check(cfg.report_to)
     # the DeepSpeed config, once: a --deepspeed file can change the stage, dtype and lr the rest reads
@@ -115,12 +113,7 @@ def check_options(cfg):
         print(note)
     cfg.zero_stage, cfg.dtype = zero_stage(ds_config), "bfloat16" if uses_bf16(ds_config) else "float32"
     cfg.lr = ds_config.get("optimizer", {}).get("params", {}).get("lr", cfg.lr)
-    return parse_reward_spec(cfg.reward_funcs, cfg.reward_weights)
-
-
-def load_data(cfg):
-    return load_problems(cfg.dataset, split=cfg.split, config=cfg.dataset_config or None,
-                         question_field=cfg.question_field, answer_field=cfg.answer_field)
+    return reward_weights
 
 
 # ---------------------------------------------------------------------------- rollouts

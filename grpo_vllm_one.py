@@ -46,10 +46,11 @@ from rewards import extract_answer
 from checkpoint import open_run, save_checkpoint
 from engine import make_engine
 from flags import flag, parse_flags
-from grpo_train import Config as TrainConfig, check_options, grpo_update, load_data
+from grpo_train import Config as TrainConfig, check_options, grpo_update
 from memory_plan import show_plan
 from preflight import preflight
 from rollouts import collate, make_groups, rollout_stats, score_groups
+from task import load_data
 from metrics import Tracker, log_step
 from protocol import post_groups, ref_request, take_group
 from report import finish_run

@@ -2,7 +2,9 @@
 how completions are sampled. grpo_train.Config, tools/probe.py and tools/explain_step.py extend it."""
 from dataclasses import dataclass
 
+from data import load_problems
 from flags import flag
+from rewards import load_reward_file, parse_reward_spec
 
 
 @dataclass
@@ -22,3 +24,27 @@ class TaskConfig:
     min_new_tokens: int = flag(0, "no stop token before this many tokens (benchmarks at a fixed length)")
     temperature: float = flag(0.7, "sampling temperature; the log-probs are of the same distribution")
     seed: int = flag(0, "seed of the problem draws and the sampling")
+
+
+def check_task(cfg):
+    """Reject bad task values before the slow start-up. Returns the reward weights {name: weight}
+    (a --reward_file adds names, so it is loaded here)."""
+    if cfg.prompt_format not in ("chat", "raw"):
+        raise SystemExit(f"unknown --prompt_format {cfg.prompt_format!r}: use one of chat, raw")
+    if cfg.num_generations < 2:
+        raise SystemExit(f"--num_generations must be at least 2 (GRPO compares completions within a group), "
+                         f"got {cfg.num_generations}")
+    if cfg.temperature <= 0:
+        raise SystemExit("--temperature must be > 0: greedy completions of a prompt are all the same")
+    if cfg.reward_file:
+        load_reward_file(cfg.reward_file)
+    try:
+        return parse_reward_spec(cfg.reward_funcs, cfg.reward_weights)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+
+
+def load_data(cfg):
+    """The problems cfg names: [{"question", "answer"}, ...] (data.load_problems)."""
+    return load_problems(cfg.dataset, split=cfg.split, config=cfg.dataset_config or None,
+                         question_field=cfg.question_field, answer_field=cfg.answer_field)

@@ -84,8 +84,11 @@ def test_bad_options_fail_before_any_model_loads():
                       ({"kl_estimator": "k9"}, "kl_estimator"), ({"prompt_format": "xml"}, "prompt_format")):
         with pytest.raises(SystemExit, match=name):
             check_options(Config(**bad))
-    with pytest.raises(ValueError, match="unknown reward"):
+    with pytest.raises(SystemExit, match="unknown reward"):
         check_options(Config(reward_funcs="correctness,nope", reward_weights="1,1"))
+    for bad, name in (({"num_generations": 1}, "num_generations"), ({"temperature": 0.0}, "temperature")):
+        with pytest.raises(SystemExit, match=name):
+            check_options(Config(**bad))
     cfg = Config(loss_type="dr_grpo")
     check_options(cfg)
     assert cfg.scale_rewards == "none" and cfg.epsilon_high == cfg.epsilon

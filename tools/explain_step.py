@@ -17,26 +17,21 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # noqa: E402 below - these imports come after the path fix that lets the script import them
-from data import load_jsonl, make_prompt, stop_token_ids  # noqa: E402
+from data import make_prompt, stop_token_ids  # noqa: E402
 from flags import flag, parse_flags  # noqa: E402
 from grpo_math import completion_mask, group_advantages, grpo_loss, kl_estimate, sequence_logps  # noqa: E402
-from grpo_train import Config as TrainConfig, generate  # noqa: E402
-from rewards import parse_reward_spec  # noqa: E402
+from grpo_train import generate  # noqa: E402
 from rollouts import score_groups  # noqa: E402
+from task import TaskConfig, check_task, load_data  # noqa: E402
 
 
 @dataclass
-class ExplainConfig:
-    model: str = flag("models/tiny-math", "the policy's starting point (and the frozen reference)")
-    dataset: str = flag("data/toy_math/train.jsonl", "problems (a .jsonl file of question/answer)")
-    problem: int = flag(0, "which problem of the dataset to prompt with")
+class ExplainConfig(TaskConfig):
     num_generations: int = flag(6, "completions of the prompt: the group size G")
-    temperature: float = flag(0.7, "sampling temperature")
-    max_new_tokens: int = flag(48, "the longest completion, in tokens")
+    problem: int = flag(0, "which problem of the dataset to prompt with")
     beta: float = flag(0.04, "weight of the KL penalty to the reference")
     epsilon: float = flag(0.2, "PPO clip range")
     lr: float = flag(1e-4, "Adam's learning rate for the one step (the tiny model's)")
-    seed: int = flag(0, "seed of the sampling")
 
 
 def show_tokens(tokenizer, ids, columns):
@@ -48,31 +43,31 @@ def show_tokens(tokenizer, ids, columns):
 
 def main(cfg):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    reward_weights = check_task(cfg)
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     policy = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
     reference = copy.deepcopy(policy).eval().requires_grad_(False)
-    G, problem = cfg.num_generations, load_jsonl(cfg.dataset)[cfg.problem]
-    stop_ids = stop_token_ids(tokenizer, "chat")
+    G, problem = cfg.num_generations, load_data(cfg)[cfg.problem]
+    stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)
 
-    print("1. THE PROMPT (chat template applied)\n")
-    prompt = make_prompt(tokenizer, problem["question"], "chat")
+    print(f"1. THE PROMPT ({'chat template applied' if cfg.prompt_format == 'chat' else 'raw text'})\n")
+    prompt = make_prompt(tokenizer, problem["question"], cfg.prompt_format)
     print(prompt, f"\n(reference answer: {problem['answer'].split('####')[-1].strip()})\n")
 
     print(f"2. G = {G} COMPLETIONS, sampled at temperature {cfg.temperature}, and their rewards\n")
-    sample_cfg = TrainConfig(num_generations=G, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
-    prompt_ids, prompt_mask, completion_ids = generate(policy, tokenizer, [prompt], sample_cfg, stop_ids)
+    prompt_ids, prompt_mask, completion_ids = generate(policy, tokenizer, [prompt], cfg, stop_ids)
     mask = completion_mask(completion_ids, stop_ids)  # (G, C): 1 up to and including the stop token
     texts = tokenizer.batch_decode(completion_ids * mask.long() + tokenizer.pad_token_id * (1 - mask.long()),
                                    skip_special_tokens=True)
-    rewards, scores = score_groups(texts, [problem], G, parse_reward_spec("correctness,format", "1.0,0.5"))
+    rewards, scores = score_groups(texts, [problem], G, reward_weights)
 
     print("3. GROUP-RELATIVE ADVANTAGES: A_i = (r_i - mean r) / (std r + 1e-4), no value network\n")
     advantages = group_advantages(rewards, G)
     print(f"  rewards mean {rewards.mean():.3f}, std {rewards.std():.3f}\n")
     for i, text in enumerate(texts):
-        print(f"  [{i}] reward {rewards[i]:.2f} (correct {scores[i]['correctness']:.0f}, format "
-              f"{scores[i]['format']:.0f})  advantage {advantages[i]:+.3f}  {text!r}")
+        parts = ", ".join(f"{name} {scores[i][name]:g}" for name in reward_weights)  # the reward's parts
+        print(f"  [{i}] reward {rewards[i]:.2f} ({parts})  advantage {advantages[i]:+.3f}  {text!r}")
     if rewards.std() == 0:
         print("\n  every completion scored the same: every advantage is 0 and GRPO learns nothing from this group"
               " (the trainers drop it). Try another --seed or --problem.")

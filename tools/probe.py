@@ -31,11 +31,9 @@ from data import make_prompt, stop_token_ids  # noqa: E402
 from flags import flag, parse_flags  # noqa: E402
 from evaluate import context_length  # noqa: E402
 from grpo_math import completion_mask, group_advantages, is_truncated, sequence_logps  # noqa: E402
-from grpo_train import load_data  # noqa: E402
 from rollouts import collate, make_groups, rollout_stats, score_groups  # noqa: E402
 from vllm_engine import sample, start_vllm  # noqa: E402
-from rewards import load_reward_file, parse_reward_spec  # noqa: E402
-from task import TaskConfig  # noqa: E402
+from task import TaskConfig, check_task, load_data  # noqa: E402
 
 MOST = 0.5  # "most groups are all-alike" from this share on
 
@@ -80,17 +78,7 @@ def check_flags(cfg):
     """Reject bad values before the slow start-up; returns the reward weights {name: weight}."""
     if cfg.n < 1:
         raise SystemExit(f"--n must be at least 1, got {cfg.n}")
-    if cfg.num_generations < 2:
-        raise SystemExit(f"--num_generations must be at least 2 (GRPO compares completions within a group), "
-                         f"got {cfg.num_generations}")
-    if cfg.temperature <= 0:
-        raise SystemExit("--temperature must be > 0: greedy completions of a prompt are all the same")
-    if cfg.reward_file:
-        load_reward_file(cfg.reward_file)
-    try:
-        return parse_reward_spec(cfg.reward_funcs, cfg.reward_weights)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+    return check_task(cfg)
 
 
 # ---------------------------------------------------------------------------- what the samples say
