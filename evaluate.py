@@ -22,21 +22,18 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from data import load_problems, make_prompt, stop_token_ids
+from data import make_prompt, stop_token_ids
 from ds_config import DTYPES
 from flags import flag, parse_flags
 from rewards import reference_answer, score
+from task import DataConfig, load_data
 
 
 @dataclass
-class EvalConfig:
-    model: str = flag("models/tiny-math", "the model to evaluate: an HF model directory (a run's checkpoint) or hub name")
+class EvalConfig(DataConfig):
+    model: str = flag("models/tiny-math", "the model to evaluate: an HF model directory (a run's checkpoint)")
     dataset: str = flag("data/toy_math/test.jsonl", "problems: a file or a hub dataset name, as in the trainers")
-    dataset_config: str = flag("", "a hub dataset's config, e.g. main for openai/gsm8k")
     split: str = flag("test", "a hub dataset's split")
-    question_field: str = flag("question", "the field holding the question")
-    answer_field: str = flag("answer", 'the field holding the "... #### N" answer')
-    prompt_format: str = flag("chat", "as the model was trained: chat (its chat template) or raw")
     n: int = flag(0, "evaluate the first n problems (0: all)")
     temperature: float = flag(0.0, "sampling temperature; 0: greedy")
     samples: int = flag(1, "completions per problem (needs temperature > 0 when > 1)")
@@ -142,8 +139,7 @@ def evaluate(cfg: EvalConfig):
         raise SystemExit(f"model directory {cfg.model!r} not found")
     if cfg.dtype not in DTYPES:
         raise SystemExit(f"unknown --dtype {cfg.dtype!r}: use one of {', '.join(DTYPES)}")
-    problems = load_problems(cfg.dataset, split=cfg.split, config=cfg.dataset_config or None,
-                             question_field=cfg.question_field, answer_field=cfg.answer_field)
+    problems = load_data(cfg)
     problems = problems[:cfg.n] if cfg.n > 0 else problems
     backend = cfg.backend
     if backend == "auto":

@@ -1,5 +1,6 @@
 """What a run learns from, the flags every script shares: the model, the problems, the reward, and
-how completions are sampled. grpo_train.Config, tools/probe.py and tools/explain_step.py extend it."""
+how completions are sampled. grpo_train.Config, tools/probe.py and tools/explain_step.py extend
+TaskConfig; evaluate.py extends DataConfig (the model and the problems)."""
 from dataclasses import dataclass
 
 from data import load_problems
@@ -8,7 +9,8 @@ from rewards import load_reward_file, parse_reward_spec
 
 
 @dataclass
-class TaskConfig:
+class DataConfig:
+    """The model and its problems: what evaluate.py takes too."""
     model: str = flag("models/tiny-math", "the policy's starting point: an HF model directory or hub name")
     dataset: str = flag("data/toy_math/train.jsonl", "problems: a .jsonl/.json/.parquet/.csv file or a hub dataset")
     dataset_config: str = flag("", "a hub dataset's config, e.g. main for openai/gsm8k")
@@ -16,6 +18,11 @@ class TaskConfig:
     question_field: str = flag("question", "the field holding the question")
     answer_field: str = flag("answer", 'the field holding the "... #### N" answer')
     prompt_format: str = flag("chat", "chat: the model's chat template; raw: plain text (base models without one)")
+
+
+@dataclass
+class TaskConfig(DataConfig):
+    """... and the reward and the sampling: what the trainers and the tools that sample take."""
     reward_funcs: str = flag("correctness,format", "reward functions (rewards.REWARD_FUNCS); reward = weighted sum")
     reward_weights: str = flag("1.0,0.5", "one weight per reward function")
     reward_file: str = flag("", "a .py file whose @reward_function-decorated functions add rewards")
