@@ -1,6 +1,8 @@
 """A run's directory, checkpoints a kill cannot corrupt, and resuming from them (both trainers).
 
-runs/NAME/ holds config.json, metrics.jsonl and the checkpoints (open_run starts or resumes it).
+runs/NAME/ holds config.json, metrics.jsonl and the checkpoints (open_run starts or resumes it). A
+directory an earlier run used is continued only with --resume and replaced only with --overwrite
+(check_run_dir, before anything loads): nothing is deleted unasked.
 
 runs/NAME/step_N/ holds the policy in HF format (load it with from_pretrained, evaluate it,
 serve it) and, in deepspeed/, what a resumed run needs: optimizer and scheduler states, the
@@ -20,6 +22,9 @@ from dataclasses import asdict
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from devices import max_over_ranks
+from disk import full_disk_exit, is_disk_full, tree_bytes
 
 STATE_DIR = "deepspeed"
 
@@ -46,22 +51,32 @@ def barrier():
 
 def save_checkpoint(engine, tokenizer, run_dir, step, state):
     """runs/NAME/step_N/: the HF model and tokenizer, and in deepspeed/ the engine's full state
-    with `state` (the trainer's own: data position ...) and the RNG states. Every rank calls it."""
+    with `state` (the trainer's own: data position ...) and the RNG states. Every rank calls it.
+    A save the disk has no room for ends the run (disk.py) with the last checkpoint whole."""
     final = os.path.join(run_dir, f"step_{step}")
     tmp, rank0 = final + ".tmp", engine.global_rank == 0
     if rank0:
         shutil.rmtree(tmp, ignore_errors=True)
     barrier()
-    engine.save_checkpoint(tmp, tag=STATE_DIR, client_state={"trainer": state, "rng": rng_states()},
-                           save_latest=False)
+    error = None
+    try:
+        engine.save_checkpoint(tmp, tag=STATE_DIR, client_state={"trainer": state, "rng": rng_states()},
+                               save_latest=False)
+    except Exception as e:  # decided below, by every rank together
+        error = e
     gather = contextlib.nullcontext()
     if engine.zero_optimization_stage() == 3:  # each rank holds a shard of every weight: gather them whole
         import deepspeed
         gather = deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
     with gather:  # every rank enters; rank 0 writes
-        if rank0:
-            engine.module.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
+        if rank0 and error is None:
+            try:
+                engine.module.save_pretrained(tmp)
+                tokenizer.save_pretrained(tmp)
+            except Exception as e:
+                error = e
+    if max_over_ranks(error is not None):
+        failed_save(run_dir, tmp, step, error, rank0)
     if rank0:
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)  # the checkpoint exists from here on, whole
@@ -69,6 +84,26 @@ def save_checkpoint(engine, tokenizer, run_dir, step, state):
             if d != final:
                 shutil.rmtree(os.path.join(d, STATE_DIR), ignore_errors=True)
     barrier()
+
+
+def failed_save(run_dir, tmp, step, error, rank0):
+    """A save failed on some rank: remove its partial step_N.tmp/ and stop every rank. A full disk
+    gets a message naming it and the checkpoint a --resume continues from; another error is raised."""
+    earlier = checkpoint_dirs(run_dir)
+    needed = tree_bytes(earlier[-1]) if earlier else tree_bytes(tmp)  # what one whole save takes
+    full = error is None or is_disk_full(error, run_dir, needed - tree_bytes(tmp))
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    barrier()
+    if not full:
+        raise error
+    if error is None:  # this rank's part was written; another rank's failed
+        raise SystemExit(f"step {step}'s checkpoint failed on another rank: see its message")
+    resume = (f"{earlier[-1]}/ is whole: free some space, then run the same command with --resume to "
+              f"continue after step {earlier[-1].rsplit('_', 1)[1]}" if earlier else
+              "There is no earlier checkpoint: free some space and start again")
+    raise full_disk_exit(run_dir, f"The checkpoint of step {step} was not saved (its partial copy is removed). "
+                                  f"{resume}.")
 
 
 def checkpoint_dirs(run_dir):
@@ -111,6 +146,32 @@ def keep_log_until(path, step):
             f.writelines(rows)
 
 
+def earlier_run(run_dir):
+    """What an earlier run left in run_dir: its checkpoints (whole or partial) and a metrics log
+    with lines, as a short description; "" when there is none (a run that stopped before step 1)."""
+    if not os.path.isdir(run_dir):
+        return ""
+    steps = sorted(d for d in os.listdir(run_dir) if re.fullmatch(r"step_\d+(\.tmp)?", d))
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    logged = os.path.isfile(metrics) and os.path.getsize(metrics) > 0
+    parts = ([f"{len(steps)} checkpoint(s) up to {steps[-1]}"] if steps else []) + (["metrics.jsonl"] if logged else [])
+    return " and ".join(parts)
+
+
+def check_run_dir(cfg):
+    """Before anything loads: a run directory in use is continued (--resume) or replaced
+    (--overwrite), never deleted unasked."""
+    run_dir = os.path.join("runs", cfg.run_name)
+    if cfg.resume and cfg.overwrite:
+        raise SystemExit("--resume continues runs/RUN_NAME, --overwrite deletes it: give one of them")
+    found = earlier_run(run_dir)
+    if cfg.resume and not found:
+        raise SystemExit(f"--resume: {run_dir}/ holds no earlier run to continue; start without --resume")
+    if found and not (cfg.resume or cfg.overwrite):
+        raise SystemExit(f"{run_dir}/ holds an earlier run ({found}): continue it with --resume, replace it "
+                         f"with --overwrite (its checkpoints and logs are deleted), or pick another --run_name")
+
+
 def open_run(cfg, engine):
     """runs/RUN_NAME/ with this config and its metrics.jsonl (and completions.jsonl): a new run starts
     them afresh; with --resume, the latest checkpoint is loaded into the engine and the logs are kept
@@ -126,12 +187,13 @@ def open_run(cfg, engine):
         done, state = load_checkpoint(engine, run_dir)
         first_step = done + 1
         print(f"{run_dir}: resuming after step {done}")
-    else:
-        stale = [d for d in os.listdir(run_dir) if d.startswith("step_")] if rank0 else []
-        if stale:  # checkpoints of an earlier run under this name would mix with this one's
-            print(f"{run_dir}: removing {len(stale)} checkpoints of an earlier run ({', '.join(sorted(stale))})")
-            for d in stale:
-                shutil.rmtree(os.path.join(run_dir, d))
+    elif rank0 and earlier_run(run_dir):
+        if not cfg.overwrite:  # check_run_dir said so before the model loaded; another run may have begun since
+            check_run_dir(cfg)
+        stale = sorted(d for d in os.listdir(run_dir) if d.startswith("step_"))
+        print(f"{run_dir}: --overwrite: deleting the earlier run's {len(stale)} checkpoint(s) and logs")
+        for d in stale:
+            shutil.rmtree(os.path.join(run_dir, d))
     if rank0:
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump(asdict(cfg), f, indent=1)

@@ -26,6 +26,7 @@ import os
 
 import torch
 
+from disk import append_lines
 from grpo_math import completion_mask
 
 REQUIRED_KEYS = ("prompt", "completion", "reward")
@@ -65,8 +66,7 @@ def log_completions(path, step, rows):
         for key in PER_TOKEN_KEYS:
             record[key] = _per_token(row.get(key), len(tokens), key, i)
         lines.append(json.dumps(record, ensure_ascii=False) + "\n")
-    with open(path, "a", encoding="utf-8") as f:
-        f.writelines(lines)
+    append_lines(path, lines)
 
 
 def read_completions(path):

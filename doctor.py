@@ -16,6 +16,8 @@ from collections import Counter
 
 from tqdm import tqdm
 
+from disk import append_lines
+
 RULES = {
     "no_signal": "doctor_window batches in a row with no group whose rewards differ (GRPO learns nothing)",
     "kl": "KL to the reference above doctor_kl_max, or above 1 and doctor_kl_jump times its recent mean",
@@ -148,8 +150,7 @@ class RunDoctor:
         text = message()
         tqdm.write(f"run doctor [{rule}] at step {step}: {text}")
         if self.metrics_path:
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps({"step": step, "warning": rule, "message": text}) + "\n")
+            append_lines(self.metrics_path, [json.dumps({"step": step, "warning": rule, "message": text}) + "\n"])
         if rule in self.stop_on:
             return f"run doctor stopped the run (--stop_on {rule}): {text}"
         return None

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-from checkpoint import open_run, save_checkpoint
+from checkpoint import check_run_dir, open_run, save_checkpoint
 from completions_log import log_batch_completions
 from data import make_prompt, stop_token_ids
 from devices import max_over_ranks
@@ -78,6 +78,7 @@ class Config(TaskConfig):
     run_name: str = flag("demo", "outputs go to runs/RUN_NAME/")
     save_every: int = flag(100, "steps between checkpoints (and one at the end)")
     resume: bool = flag(False, "continue runs/RUN_NAME from its latest checkpoint")
+    overwrite: bool = flag(False, "replace runs/RUN_NAME if an earlier run used it (its checkpoints are deleted)")
     log_completions_every: int = flag(10, "every N steps, one group's completions to completions.jsonl (0: never)")
     report_to: str = flag("none", "none, tensorboard or wandb: send the metrics there too (metrics.jsonl stays)")
     preflight: bool = flag(False, "first probe preflight_n problems (tools/probe.py); stop if no group has signal")
@@ -219,6 +220,7 @@ def grpo_update(engine, batch, cfg, stop_ids, weight=1.0):
 
 def main(cfg: Config):
     reward_weights, problems = check_options(cfg), load_data(cfg)
+    check_run_dir(cfg)  # a used runs/RUN_NAME/ needs --resume or --overwrite
     show_plan(cfg)
     if cfg.beta != 0:
         ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent

@@ -43,7 +43,7 @@ from doctor import RunDoctor, batch_summary
 from grpo_math import completion_mask, is_truncated
 from progress import WorkerProgress
 from rewards import extract_answer
-from checkpoint import open_run, save_checkpoint
+from checkpoint import check_run_dir, open_run, save_checkpoint
 from engine import make_engine
 from flags import flag, parse_flags
 from grpo_train import Config as TrainConfig, check_options, grpo_update
@@ -184,6 +184,7 @@ def main(cfg: Config):
         raise SystemExit("several ranks take their batches from the ref server: use --beta > 0 (or one rank)")
     check_options(cfg)  # bad options and data fail here, before any process starts
     load_data(cfg)
+    check_run_dir(cfg)  # a used runs/RUN_NAME/ needs --resume or --overwrite
     show_plan(cfg)
     if uses_ref_server(cfg):
         ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent

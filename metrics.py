@@ -10,6 +10,8 @@ import os
 
 from tqdm import tqdm
 
+from disk import append_lines
+
 # what curves.png shows, 2 rows of 4; report.html shows more (report.CURVE_KEYS)
 CURVES = ["reward_mean", "accuracy", "format_rate", "kl", "completion_len", "zero_var_frac", "entropy",
           "truncated_frac"]
@@ -76,8 +78,8 @@ def add_part_stats(stats, part, share):
 def log_step(metrics_path, record, tracker=None):
     if record.get("skipped_updates"):
         tqdm.write(f"warning: step {record['step']}: non-finite loss or gradient, update skipped")
-    with open(metrics_path, "a") as f:
-        f.write(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()}) + "\n")
+    append_lines(metrics_path, [json.dumps({k: round(v, 5) if isinstance(v, float) else v
+                                            for k, v in record.items()}) + "\n"])
     if tracker is not None:
         tracker.log(record)
 

@@ -4,7 +4,8 @@
 
 1. starts ref_server.py in the background and waits for its /health;
 2. evaluates the shipped model greedily on the held-out test split;
-3. trains with grpo_train.py or grpo_vllm_one.py (--trainer);
+3. trains with grpo_train.py or grpo_vllm_one.py (--trainer) into runs/NAME, replacing an earlier
+   demo run of that name (the trainer's --overwrite);
 4. evaluates the final checkpoint the same way (the trainer has written runs/NAME/report.html);
 5. prints both and one last JSON line {"before": {...}, "after": {...}, "minutes": m}.
 The server and trainer are stopped at the end, on errors, on Ctrl-C and on SIGTERM.
@@ -80,7 +81,7 @@ def main():
     server, trainer = start_ref_server(port, env), None
     try:
         trainer = subprocess.Popen([sys.executable, f"{args.trainer}.py", "--ref_url", f"http://127.0.0.1:{port}",
-                                    "--run_name", run_name, "--seed", str(args.seed), "--steps", str(args.steps),
+                                    "--run_name", run_name, "--overwrite", "--seed", str(args.seed), "--steps", str(args.steps),
                                     *TINY_WORLD_FLAGS, *args.train_args], cwd=ROOT, env=env)
         if trainer.wait() != 0:
             raise SystemExit(f"{args.trainer}.py failed with exit code {trainer.returncode}")
