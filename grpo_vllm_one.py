@@ -102,15 +102,21 @@ def gen_worker(cfg, run_id, ranks, channels, parent_pid):
     generated, ask_again = 0, []  # completions made so far; regroup: questions to ask once more
     world = int(os.environ.get("WORLD_SIZE", "1"))
     n = len(ranks)  # batch b goes to rank ranks[b % n]
-    waiting_since = None  # when the worker began waiting for new weights
+    waiting_since, held = None, None  # when the worker began waiting for new weights; weights held back
     while not channels.stop.is_set():
-        # bounded staleness: batch b is trained at trainer step b+1, by weights of version b
+        # bounded staleness: batch b is trained at trainer step b+1, by weights of version b, and
+        # sampled by the weights of sampling_version(b) exactly, however far the trainer has got
         # (regroup: the server evicts old answers instead, and answers 503 when enough are ready)
         must_wait = version is None or (not cfg.regroup and batch_index // n - version > cfg.max_policy_lag)
-        try:
-            message = channels.weights.get(timeout=1.0) if must_wait else channels.weights.get_nowait()
-        except queue.Empty:
-            message = None
+        message, held = held, None  # weights held back before the last batch come first
+        if message is None:
+            try:
+                message = channels.weights.get(timeout=1.0) if must_wait else channels.weights.get_nowait()
+            except queue.Empty:
+                pass
+        if (message is not None and message[0] == "weights" and version is not None and not cfg.regroup
+                and message[1] > sampling_version(batch_index // n, cfg)):
+            message, held = None, message  # too new for this batch: loaded once it is sampled
         waiting_since = (waiting_since or time.time()) if must_wait and message is None else None
         if waiting_since is not None and time.time() - waiting_since > cfg.data_timeout:
             raise SystemExit(f"generation worker: no new weights from the trainer in {cfg.data_timeout:.0f} s "
@@ -158,6 +164,13 @@ def gen_worker(cfg, run_id, ranks, channels, parent_pid):
         for group in groups if not uses_ref_server(cfg) else []:
             channels.groups.put(group)  # local: tensors travel in shared memory, nothing is pickled over a network
         batch_index += bool(groups)
+
+
+def sampling_version(batch, cfg):
+    """The policy version that samples a rank's batch-th batch: the oldest the staleness bound allows
+    (versions come every sync_every steps). Fixed, so that a seed repeats its run."""
+    oldest = max(batch - cfg.max_policy_lag, 0)
+    return -(-oldest // cfg.sync_every) * cfg.sync_every
 
 
 def rank_run_id(run_id, rank, world, regroup):
