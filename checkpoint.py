@@ -166,7 +166,8 @@ def check_run_dir(cfg):
         raise SystemExit("--resume continues runs/RUN_NAME, --overwrite deletes it: give one of them")
     found = earlier_run(run_dir)
     if cfg.resume and not found:
-        raise SystemExit(f"--resume: {run_dir}/ holds no earlier run to continue; start without --resume")
+        raise SystemExit(f"--resume: no checkpoint to resume from in {run_dir}/ (no earlier run used it); "
+                         f"start without --resume")
     if found and not (cfg.resume or cfg.overwrite):
         raise SystemExit(f"{run_dir}/ holds an earlier run ({found}): continue it with --resume, replace it "
                          f"with --overwrite (its checkpoints and logs are deleted), or pick another --run_name")

@@ -34,7 +34,7 @@ def test_check_run_dir_refuses_a_used_directory_unless_told(tmp_path, monkeypatc
     open("runs/x/config.json", "w").write("{}")
     open("runs/x/metrics.jsonl", "w").close()
     check_run_dir(RunFlags())  # a run that stopped before its first step left nothing to lose
-    with pytest.raises(SystemExit, match="holds no earlier run"):
+    with pytest.raises(SystemExit, match="no checkpoint to resume from in runs/x/"):
         check_run_dir(RunFlags(resume=True))
     os.makedirs("runs/x/step_5")
     for flags in (RunFlags(), RunFlags(run_name="x")):
