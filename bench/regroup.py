@@ -36,7 +36,8 @@ def run(pipeline, completions, seed, env):
     t0 = time.time()
     try:
         subprocess.run([sys.executable, trainer_script, "--ref_url", f"http://127.0.0.1:{port}",
-                        "--run_name", run_name, "--overwrite", "--seed", str(seed), "--steps", "100000", "--save_every", "100000",
+                        "--run_name", run_name, "--overwrite", "--seed", str(seed),
+                        "--steps", "100000", "--save_every", "100000",
                         "--max_completions", str(completions), *TINY_WORLD_FLAGS], cwd=ROOT, env=env, check=True)
     except subprocess.CalledProcessError as e:
         raise SystemExit(f"{trainer_script} failed with exit code {e.returncode}") from None

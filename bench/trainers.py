@@ -73,7 +73,8 @@ def run(trainer, steps, skip, env, extra, run_name=None):
     try:
         t0 = time.time()
         proc = subprocess.Popen([sys.executable, f"{trainer}.py", "--ref_url", f"http://127.0.0.1:{port}",
-                                 "--run_name", run_name, "--overwrite", "--steps", str(steps), "--save_every", str(steps), *TINY_WORLD_FLAGS, *extra],
+                                 "--run_name", run_name, "--overwrite", "--steps", str(steps),
+                                 "--save_every", str(steps), *TINY_WORLD_FLAGS, *extra],
                                 cwd=ROOT, env=env)
         peak, peak_with_ref = wait_peak_rss(proc, also=server)
         if proc.returncode != 0:

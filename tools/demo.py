@@ -81,7 +81,8 @@ def main():
     server, trainer = start_ref_server(port, env), None
     try:
         trainer = subprocess.Popen([sys.executable, f"{args.trainer}.py", "--ref_url", f"http://127.0.0.1:{port}",
-                                    "--run_name", run_name, "--overwrite", "--seed", str(args.seed), "--steps", str(args.steps),
+                                    "--run_name", run_name, "--overwrite", "--seed", str(args.seed),
+                                    "--steps", str(args.steps),
                                     *TINY_WORLD_FLAGS, *args.train_args], cwd=ROOT, env=env)
         if trainer.wait() != 0:
             raise SystemExit(f"{args.trainer}.py failed with exit code {trainer.returncode}")
