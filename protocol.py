@@ -96,7 +96,7 @@ def auth_headers(token):
 
 def ref_request(cfg, method, path, **kwargs):
     """One HTTP call to the reference server at cfg.ref_url. A server that does not answer
-    (refused, reset, timed out, 5xx other than 503) is retried with backoff for cfg.peer_timeout
+    (refused, reset, timed out, 429, 5xx other than 503) is retried with backoff for cfg.peer_timeout
     seconds; then the run stops with an error that names it and says how to restart it."""
     token = cfg.ref_token or os.environ.get(TOKEN_ENV, "")
     first_failure, delay = None, 0.25
@@ -107,7 +107,8 @@ def ref_request(cfg, method, path, **kwargs):
             if r.status_code == 401:
                 raise SystemExit(f"ref server at {cfg.ref_url} refused our token: pass --ref_token or set "
                                  f"{TOKEN_ENV} to the server's")
-            if r.status_code < 500 or r.status_code == 503:
+            too_many_connections = r.status_code == 429  # retried like a server that is down
+            if not too_many_connections and (r.status_code < 500 or r.status_code == 503):
                 return r
             problem = f"HTTP {r.status_code} {r.text[:100]}"
         except requests.RequestException as e:

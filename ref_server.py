@@ -11,7 +11,8 @@ machine. Messages are safetensors bytes (protocol.py), never pickle.
 
 It is safe to leave running: every upload is checked and a bad one gets a 4xx with a
 reason; the queues are bounded in groups and in bytes (a full queue answers 503 and
-clients back off); /stats counts what happened. It listens on 127.0.0.1 unless --host
+clients back off); at most --max_connections are served at once (more get 429), each
+cut off --conn_timeout seconds after it opened; /stats counts what happened. It listens on 127.0.0.1 unless --host
 says otherwise, and then only with a shared token (--token or $SIMPLE_GRPO_TOKEN):
 
     SIMPLE_GRPO_TOKEN=secret python ref_server.py --host 0.0.0.0   # trainers pass --ref_token
@@ -19,12 +20,15 @@ says otherwise, and then only with a shared token (--token or $SIMPLE_GRPO_TOKEN
 import hmac
 import ipaddress
 import json
+import math
 import os
 import queue
+import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
+from http import HTTPStatus
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
@@ -49,6 +53,8 @@ class ServerConfig:
     max_queue_mb: int = flag(512, "... or when the uploads held in the queues pass this many MB")
     max_body_mb: int = flag(16, "the largest upload, in MB")
     max_group_size: int = flag(256, "the most completions in one group")
+    max_connections: int = flag(64, "connections served at once; more get 429 and are closed")
+    conn_timeout: float = flag(60.0, "seconds a connection may stay open: slow or stalled senders are cut off")
 
 
 def add_ref_logps(model, tensors, meta, device):
@@ -153,6 +159,8 @@ def read_rollout(cfg, model_config, stats):
             return size, tensors, meta
         except ValueError as e:
             status, reason = 400, str(e)
+        except (OSError, bottle.HTTPError) as e:  # the sender hung up mid-body, or sent broken chunks
+            status, reason = 400, f"the body could not be read ({type(e).__name__})"
     stats["rejected"] += 1
     raise answer(status, reason)
 
@@ -202,20 +210,84 @@ def make_app(model, cfg: ServerConfig):
 def wait_seconds():
     """/get's ?wait=: how long to wait for a finished group (0 to 30 s)."""
     try:
-        return min(max(float(bottle.request.query.get("wait") or 0), 0.0), 30.0)
+        wait = float(bottle.request.query.get("wait") or 0)
     except ValueError:
-        raise answer(400, "wait must be a number of seconds") from None
+        wait = math.nan
+    if math.isnan(wait):
+        raise answer(400, "wait must be a number of seconds")
+    return min(max(wait, 0.0), 30.0)
 
 
 class ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most max_connections at once: one more gets an immediate 429
+    and is closed. Every connection is cut conn_timeout seconds after it was accepted, so a slow
+    or stalled sender cannot keep a thread, and memory stays bounded (max_connections bodies)."""
     daemon_threads = True  # a waiting /get must not block uploads
+    request_queue_size = 1024  # connections the kernel holds until accepted (the default, 5, drops bursts)
+
+    def __init__(self, address, handler, max_connections, conn_timeout):
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.slots, self.conn_timeout = threading.BoundedSemaphore(max_connections), conn_timeout
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            refuse(request, 429, "too many connections at once: retry later")
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)  # a new thread runs process_request_thread
+
+    def process_request_thread(self, request, client_address):
+        cut = threading.Timer(self.conn_timeout, close_quietly, args=(request,))
+        cut.start()
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            cut.cancel()
+            self.slots.release()
+
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], OSError):  # a client that hung up or was cut off is no error
+            super().handle_error(request, client_address)
+
+
+def refuse(sock, status, reason):
+    """A one-line JSON answer written straight to a socket no thread will serve."""
+    body = json.dumps({"error": reason}).encode()
+    head = (f"HTTP/1.0 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+    try:
+        sock.settimeout(1.0)
+        sock.sendall(head.encode() + body)
+    except OSError:
+        pass
+
+
+def close_quietly(sock):
+    """Cut a connection from another thread: the thread reading or writing it sees the end at once."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 class QuietHandler(WSGIRequestHandler):
-    timeout = 60  # a client that stops sending mid-request loses its connection, not a thread forever
+    default_request_version = "HTTP/1.0"  # so even a malformed request line's answer has a status line
 
-    def log_request(self, *args):  # one line per request would flood the log
+    def log_message(self, *args):  # a line per request (or per bad one) would flood the log; see /stats
         pass
+
+    def parse_request(self):
+        if not super().parse_request():
+            return False
+        if len(self.headers.get_all("Content-Length", [])) > 1:  # which body would be the upload?
+            self.send_error(400, "more than one Content-Length header")
+            return False
+        return True
+
+    def send_error(self, code, message=None, explain=None):
+        # the parser answers "HTTP/2.0" in a request line with 505; this server reads it as a bad request
+        super().send_error(400 if code == 505 else code, message, explain)
 
 
 def is_loopback(host):
@@ -239,9 +311,10 @@ def load_model(cfg):
 
 
 def serve(app, cfg, name="ref server"):
+    server = ThreadingWSGIServer((cfg.host, cfg.port), QuietHandler, cfg.max_connections, cfg.conn_timeout)
+    server.set_app(app)
     print(f"{name}: {cfg.model} on {cfg.device}, listening on http://{cfg.host}:{cfg.port}", flush=True)
-    bottle.run(app, host=cfg.host, port=cfg.port, server_class=ThreadingWSGIServer,
-               handler_class=QuietHandler, quiet=True)
+    server.serve_forever()
 
 
 def main(cfg: ServerConfig):

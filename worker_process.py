@@ -80,12 +80,15 @@ def watch_parent(parent_pid):
 
 
 def stop_worker(worker, channels):
-    """Ask the worker to finish; kill it if it has not within 10 s."""
+    """Ask the worker to finish; kill it if it has not within 10 s, or at once if a second Ctrl-C or
+    SIGTERM cuts the wait short (else the interpreter's exit would wait for it, unbounded)."""
     channels.stop.set()
-    worker.join(timeout=10)
-    if worker.is_alive():
-        worker.kill()
+    try:
         worker.join(timeout=10)
+    finally:
+        if worker.is_alive():
+            worker.kill()
+            worker.join(timeout=10)
 
 
 def take_local_group(groups_queue, waiting):

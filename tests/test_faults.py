@@ -161,17 +161,20 @@ def test_a_non_finite_loss_or_gradient_skips_the_update_and_leaves_the_weights()
                           "clean": 0, "clean_changed": True}, (stage, result)
 
 
-def test_sigterm_stops_the_trainer_and_every_process_it_started(server):  # noqa: F811
+@pytest.mark.parametrize("signals", [1, 2])  # 2: a second SIGTERM while the trainer stops its worker
+def test_sigterm_stops_the_trainer_and_every_process_it_started(server, signals):  # noqa: F811
+    run = fresh(f"test_sigterm_{signals}")
     trainer = subprocess.Popen([sys.executable, "grpo_vllm_one.py", "--ref_url", server, "--steps", "100",
-                                "--run_name", fresh("test_sigterm"), "--batch_prompts", "4"], cwd=ROOT,
+                                "--run_name", run, "--batch_prompts", "4"], cwd=ROOT,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for(lambda: len(metrics("test_sigterm")) >= 1 and metrics("test_sigterm")[0].get("wait_s") is not None,
-                 400, trainer)
+        wait_for(lambda: len(metrics(run)) >= 1 and metrics(run)[0].get("wait_s") is not None, 400, trainer)
         children = psutil.Process(trainer.pid).children(recursive=True)
         assert children  # the generation worker (and its helpers)
-        trainer.send_signal(signal.SIGTERM)
-        trainer.wait(timeout=60)
+        for _ in range(signals):
+            trainer.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+        trainer.wait(timeout=30 if signals == 2 else 60)
         assert trainer.returncode != 0
         _, alive = psutil.wait_procs(children, timeout=30)
         assert not alive, [p.pid for p in alive]

@@ -1,16 +1,23 @@
-"""ref_server.py under hostile input, floods and exposure, live on loopback (no mocks).
+"""ref_server.py (and regroup_ver/'s server) under hostile input, floods and exposure, live on loopback (no mocks).
 
-Every malformed upload gets a 4xx and the server goes on; a flood gets 503s, memory stays
-bounded and no group is lost or duplicated; off loopback it needs a token."""
+Every malformed, slow or stalled request gets a 4xx or is closed, a crowd of connections gets 429s,
+memory stays bounded and valid groups pass exactly once; a flood of valid uploads gets 503s and
+loses no group; off loopback the server needs a token."""
 import http.client
 import json
 import os
 import pickle
 import random
+import re
+import selectors
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -18,7 +25,8 @@ import requests
 import torch
 from safetensors.torch import save
 
-from protocol import decode, encode
+from protocol import decode, encode, post_groups
+from tests.test_regroup import upload as regroup_group
 from tools.demo import MODEL, ROOT, free_port, start_ref_server
 
 VOCAB, MAX_LEN = 561, 512  # the tiny model's
@@ -122,60 +130,251 @@ def hostile_bodies(rng):
     return bodies
 
 
-@pytest.fixture(scope="module")
-def server():
+# ---------------------------------------------------------------- requests broken below the body
+CUT_S = 3  # the servers' --conn_timeout in these tests: a connection is cut this long after it opened
+SLOTS = 32  # their --max_connections
+
+
+def exchange(port, chunks, pause=0.0, hang=False):
+    """Send chunks on a new connection (pause s between them), then stop sending (or, with hang, keep
+    the connection open) and read the answer: its HTTP status, "closed" if the server closed without
+    one, or "open" if it still held the connection well past CUT_S."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=CUT_S + 10)
+    data = b""
+    try:
+        try:
+            for chunk in chunks:
+                s.sendall(chunk)
+                time.sleep(pause)
+            if not hang:
+                s.shutdown(socket.SHUT_WR)
+        except OSError:  # the server closed first: cut off, or refused at once
+            pass
+        try:
+            while part := s.recv(65536):
+                data += part
+        except TimeoutError:
+            return "open"
+        except OSError:
+            pass  # reset: closed
+    finally:
+        s.close()
+    statuses = re.findall(rb"^HTTP/1\.[01] (\d{3})", data, re.M)
+    statuses = [int(code) for code in statuses if code != b"100"]  # after "100 Continue" comes the answer
+    return statuses[0] if statuses else ("closed" if not data else "garbled")
+
+
+def request(head, body=b"", method="POST", path="/upload", version="HTTP/1.1"):
+    return f"{method} {path} {version}\r\n".encode() + head + b"\r\n" + body
+
+
+def malformed_requests(rng, n):
+    """n raw requests, each broken in its request line, headers, length or body; the sender stops
+    sending after each (so a short body ends rather than stalls)."""
+    valid = encode(*valid_group(7))
+    length = f"Content-Length: {len(valid)}\r\n".encode()
+    makers = [
+        lambda: [bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 300))) + b"\r\n\r\n"],  # garbage
+        lambda: [b"POST /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n"],  # request line too long (414)
+        lambda: [request(b"X-Big: " + b"b" * 70000 + b"\r\n")],  # header line too long (431)
+        lambda: [request(b"".join(b"X-%d: 1\r\n" % i for i in range(rng.randint(101, 400))))],  # too many
+        lambda: [request(b"", version=rng.choice(["HTTP/2.0", "HTTP/9.9", "HTTP/1", "HTTX/1.1", "HTTP/1.1.1",
+                                                    "HTTP/11111111111.1", "HTTP/-1.1"]))],
+        lambda: [rng.choice([b"POST\r\n\r\n", b"POST /upload\r\n\r\n", b"\r\n\r\n",
+                             b"POST /upload HTTP/1.1 extra\r\n\r\n", b"\x00\x01\x02 / HTTP/1.1\r\n\r\n"])],
+        lambda: [request(b"Content-Length: " + rng.choice([b"abc", b"-1", b"1e3", b"+5", b"0x10", b"", b"99" * 30,
+                                                          b"\xff\xfe"]) + b"\r\n", valid)],
+        lambda: [request(f"Content-Length: {len(valid)}\r\nContent-Length: 3\r\n".encode(), valid)],
+        lambda: [request(length, valid[:rng.randrange(len(valid))])],  # truncated body: ends early
+        lambda: [request(f"Content-Length: {rng.randrange(1, len(valid))}\r\n".encode(), valid)],  # too short
+        lambda: [request(b"Transfer-Encoding: chunked\r\n", b"zz\r\n" + valid)],  # chunked, no length (411)
+        lambda: [request(length + b"Transfer-Encoding: chunked\r\n", b"zz\r\n" + valid)],  # broken chunks
+        lambda: [request(length + b"Expect: 100-continue\r\n"), valid[:50]],  # waits for 100, then short
+        lambda: [request(b"Authorization: Bearer " + b"t" * 60000 + b"\r\n" + length, valid[:-1])],
+        lambda: [request(b"Content-Type: multipart/form-data; boundary=x\r\n" + length, valid[::-1])],
+        lambda: [request(length, valid, method=rng.choice(["PUT", "DELETE", "PATCH", "OPTIONS", "FOO"]))],
+        lambda: [request(b"", method="GET", path=rng.choice(["/../../etc/passwd", "/get?wait=abc", "/get?wait=nan",
+                                                             "/%00", "/upload", "/get?wait=1&wait=x"]))],
+        lambda: [],  # connect, then hang up at once
+    ]
+    return [rng.choice(makers)() for _ in range(n)]
+
+
+def stalled_requests(rng, n):
+    """n requests that never finish: slow senders (a byte at a time, for far longer than CUT_S),
+    bodies shorter than their Content-Length on a connection kept open, and connections that send
+    nothing. The server must cut each at CUT_S. (chunks, pause) pairs, sent with hang=True."""
+    head = request(b"Content-Length: 500\r\n")
+    makers = [lambda: ([bytes([b]) for b in head] + [b"x"] * 100, 0.1),  # slow sender: 0.1 s a byte
+              lambda: ([head + b"\0" * rng.randrange(499)], 0.0),  # short body, connection kept open
+              lambda: ([head[:rng.randrange(len(head))]], 0.0),  # stops inside its headers
+              lambda: ([], 0.0)]  # silent
+    return [rng.choice(makers)() for _ in range(n)]
+
+
+class RssWatch:
+    """The server's largest RSS, sampled every 0.1 s while the attack runs."""
+
+    def __init__(self, pid):
+        self.proc, self.peak, self.stop = psutil.Process(pid), 0, threading.Event()
+        self.start = self.proc.memory_info().rss
+        self.thread = threading.Thread(target=self.watch, daemon=True)
+        self.thread.start()
+
+    def watch(self):
+        while not self.stop.wait(0.1):
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+
+    def growth_mb(self):
+        self.stop.set()
+        self.thread.join()
+        return (max(self.peak, self.proc.memory_info().rss) - self.start) / 2**20
+
+
+# each server's valid upload (a group it serves), and its check that the group came back intact
+def plain_upload(version):
+    return valid_group(version)
+
+
+def regroup_upload(version):
+    return regroup_group(question=11, rewards=[0.5, 1.5, 0.5, 1.5], version=version, answer_id=100 * version)
+
+
+SERVERS = {"ref_server.py": ([], plain_upload, "groups_in"),
+           "regroup_ver/ref_server_regroup.py": (["--num_generations", "4"], regroup_upload, "groups_formed")}
+
+
+def attack(script, body_rounds, n_malformed, n_stalled, n_crowd):
+    """Start `script` and send it hostile requests between two valid uploads. Every hostile one must
+    get a 4xx or be closed; RSS must stay bounded; both valid groups come out once, in order."""
+    extra, make_upload, formed = SERVERS[script]
+    port = free_port()
+    proc = start_ref_server(port, dict(os.environ), "--max_body_mb", "1", "--max_connections", str(SLOTS),
+                            "--conn_timeout", str(CUT_S), *extra, script=script)
+    url, outcomes, rng = f"http://127.0.0.1:{port}", Counter(), random.Random(0)
+    try:
+        requests.post(url + "/upload", data=encode(*make_upload(1)), timeout=30).raise_for_status()
+        rss = RssWatch(proc.pid)
+        t0 = time.time()
+        # 1. malformed bodies under well-formed headers, one after another
+        with requests.Session() as session:
+            for round_ in range(body_rounds):
+                for kind, body in hostile_bodies(random.Random(round_)):
+                    r = session.post(url + "/upload", data=body, timeout=30)
+                    assert 400 <= r.status_code < 500 and r.json()["error"], (kind, r.status_code, r.text[:200])
+                    outcomes[r.status_code] += 1
+            for size in (2 * 2**20, 10**12):  # past --max_body_mb, declared: refused before it is read
+                outcomes[exchange(port, [request(f"Content-Length: {size}\r\n".encode(), b"\0" * 1024)])] += 1
+        # 2. broken request lines, headers, lengths and bodies, 16 connections at a time
+        with ThreadPoolExecutor(16) as pool:
+            outcomes.update(pool.map(lambda chunks: exchange(port, chunks), malformed_requests(rng, n_malformed)))
+        # 3. slow and stalled senders, more at once than the server has slots
+        with ThreadPoolExecutor(2 * SLOTS) as pool:
+            outcomes.update(pool.map(lambda c: exchange(port, c[0], pause=c[1], hang=True),
+                                     stalled_requests(rng, n_stalled)))
+        # 4. a crowd: n_crowd connections opened at once, each stopping inside its headers
+        crowd = [socket.create_connection(("127.0.0.1", port), timeout=CUT_S + 10) for _ in range(n_crowd)]
+        for s in crowd:
+            s.sendall(b"POST /upload HTTP/1.1\r\nContent-Le")
+        outcomes.update(read_until_closed(crowd))
+        seconds, growth = time.time() - t0, rss.growth_mb()
+
+        sent = sum(outcomes.values())
+        print(f"{script}: {sent} hostile requests in {seconds:.0f} s, server RSS +{growth:.1f} MB, "
+              f"outcomes {dict(sorted(outcomes.items(), key=str))}")
+        assert sent == body_rounds * len(hostile_bodies(random.Random(0))) + 2 + n_malformed + n_stalled + n_crowd
+        assert all(o == "closed" or 400 <= o < 500 for o in outcomes), outcomes
+        assert outcomes[429] > 0 and outcomes["closed"] > 0  # the slots filled, and stalled senders were cut
+        assert growth < 200, f"server RSS grew {growth:.0f} MB"
+        assert not os.path.exists(SENTINEL), "a pickle payload was unpickled"
+
+        # the valid groups, one before the attack and one after, each come out once, in order
+        requests.post(url + "/upload", data=encode(*make_upload(2)), timeout=30).raise_for_status()
+        versions = []
+        for _ in range(2):
+            r = requests.get(url + "/get", params={"wait": 10, "policy_version": 2}, timeout=30)
+            assert r.status_code == 200
+            tensors, meta = decode(r.content)
+            versions.append(meta["policy_version"])
+            assert torch.isfinite(tensors["ref_logps"]).all()
+            assert tensors["ref_logps"].shape == tensors["completion_ids"].shape
+        assert versions == [1, 2]
+        assert requests.get(url + "/get", params={"wait": 1}, timeout=30).status_code == 204
+        stats = requests.get(url + "/stats", timeout=5).json()
+        assert stats[formed] == 2 and stats["groups_taken"] == 2 and stats["errors"] == 0
+        assert stats["rejected"] >= body_rounds * 2000
+        return sent
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def read_until_closed(socks):
+    """Each socket's answer (as exchange reads it) once the server closes it; "open" for any still
+    open CUT_S + 10 s on."""
+    answers, data = [], {s: b"" for s in socks}
+    deadline = time.time() + CUT_S + 10
+    with selectors.DefaultSelector() as sel:
+        for s in socks:
+            sel.register(s, selectors.EVENT_READ)
+        while data and time.time() < deadline:
+            for key, _ in sel.select(timeout=1):
+                s = key.fileobj
+                try:
+                    part = s.recv(65536)
+                except OSError:
+                    part = b""
+                data[s] += part
+                if not part:
+                    sel.unregister(s)
+                    s.close()
+                    codes = re.findall(rb"^HTTP/1\.[01] (\d{3})", data.pop(s), re.M)
+                    answers.append(int(codes[0]) if codes else "closed")
+    answers += ["open"] * len(data)
+    for s in data:
+        s.close()
+    return answers
+
+
+@pytest.mark.parametrize("script", list(SERVERS))
+def test_ten_thousand_hostile_requests_get_4xx_or_are_closed_and_valid_groups_pass_once(script):
+    assert attack(script, body_rounds=3, n_malformed=2500, n_stalled=640, n_crowd=800) >= 10000
+
+
+def test_a_trainer_waits_out_a_429_when_every_connection_is_taken():
+    port = free_port()
+    proc = start_ref_server(port, dict(os.environ), "--max_connections", "1", "--conn_timeout", "2")
+    try:
+        hog = socket.create_connection(("127.0.0.1", port))  # a stalled sender holds the one slot for 2 s
+        hog.sendall(b"POST /upload HTTP/1.1\r\n")
+        time.sleep(0.3)
+        assert requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 429
+        cfg = SimpleNamespace(ref_url=f"http://127.0.0.1:{port}", ref_token="", peer_timeout=30, ref_timeout=30)
+        post_groups(cfg, [valid_group(5)])  # retried until the stalled sender is cut
+        hog.close()
+        assert requests.get(f"http://127.0.0.1:{port}/stats", timeout=5).json()["groups_in"] == 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_over_the_limits_a_body_gets_413_and_no_length_411():
     port = free_port()
     proc = start_ref_server(port, dict(os.environ), "--max_body_mb", "1")
-    yield f"http://127.0.0.1:{port}", proc
-    proc.terminate()
-    proc.wait(timeout=30)
-
-
-def take(url):
-    r = requests.get(url + "/get", params={"wait": 10}, timeout=30)
-    assert r.status_code == 200
-    return decode(r.content)
-
-
-def test_two_thousand_hostile_uploads_get_4xx_and_a_valid_one_still_works(server):
-    url, proc = server
-    tensors, meta = valid_group(12345)
-    requests.post(url + "/upload", data=encode(tensors, meta), timeout=30).raise_for_status()
-    expected = take(url)[0]["ref_logps"]
-    rss_start = psutil.Process(proc.pid).memory_info().rss
-
-    bodies = hostile_bodies(random.Random(0))
-    assert len(bodies) >= 2000
-    session, statuses = requests.Session(), {}
-    for kind, body in bodies:
-        r = session.post(url + "/upload", data=body, timeout=30)
-        assert 400 <= r.status_code < 500, (kind, r.status_code, r.text[:200])
-        assert r.json()["error"]  # a one-line reason
-        statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
-    # bodies past --max_body_mb (1 MB), declared or sent: refused before they are read
-    for size in (2 * 2**20, 10**12):
-        conn = http.client.HTTPConnection(url.split("//")[1], timeout=30)
-        conn.putrequest("POST", "/upload")
-        conn.putheader("Content-Length", str(size))
-        conn.endheaders()
-        conn.send(b"\0" * 1024)
-        assert conn.getresponse().status == 413
-        conn.close()
-    r = session.post(url + "/upload", data=iter([b"\0" * 100]), timeout=30)  # chunked: no length
-    assert r.status_code == 411
-
-    assert not os.path.exists(SENTINEL), "a pickle payload was unpickled"
-    stats = session.get(url + "/stats", timeout=5).json()
-    assert stats["rejected"] >= len(bodies) + 3 and stats["groups_in"] == 1 and stats["errors"] == 0
-    assert psutil.Process(proc.pid).memory_info().rss - rss_start < 200 * 2**20
-    print(f"hostile uploads: {len(bodies) + 3}, statuses {statuses}, "
-          f"server RSS +{(psutil.Process(proc.pid).memory_info().rss - rss_start) / 2**20:.1f} MB")
-
-    # a valid upload afterwards is processed, and gives the same log-probs as before
-    requests.post(url + "/upload", data=encode(tensors, meta), timeout=30).raise_for_status()
-    back, back_meta = take(url)
-    assert back_meta["policy_version"] == 12345
-    assert torch.equal(back["ref_logps"], expected) and torch.equal(back["completion_ids"], tensors["completion_ids"])
+    try:
+        for size in (2 * 2**20, 10**12):  # past --max_body_mb: refused before it is read
+            conn = http.client.HTTPConnection(f"127.0.0.1:{port}", timeout=30)
+            conn.putrequest("POST", "/upload")
+            conn.putheader("Content-Length", str(size))
+            conn.endheaders()
+            conn.send(b"\0" * 1024)
+            assert conn.getresponse().status == 413
+            conn.close()
+        r = requests.post(f"http://127.0.0.1:{port}/upload", data=iter([b"\0" * 100]), timeout=30)  # chunked
+        assert r.status_code == 411
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_a_flood_gets_503s_and_loses_or_duplicates_no_group():

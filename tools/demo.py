@@ -1,6 +1,6 @@
 """`make demo`: GRPO on the tiny default model, on CPU, with a before/after report.
 
-    python tools/demo.py [--seed 1] [--steps 450] [--trainer grpo_train] [-- extra trainer flags]
+    python tools/demo.py [--seed 1] [--steps 650] [--trainer grpo_train] [-- extra trainer flags]
 
 1. starts ref_server.py in the background and waits for its /health;
 2. evaluates the shipped model greedily on the held-out test split;
@@ -64,7 +64,7 @@ def evaluate(model_dir, env, data=TEST):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=450)
+    ap.add_argument("--steps", type=int, default=650)
     # grpo_vllm_one, the script the project is named for: its worker samples the next batch while the
     # trainer computes (bench/trainers.py compares the two)
     ap.add_argument("--trainer", default="grpo_vllm_one", choices=["grpo_train", "grpo_vllm_one"])
