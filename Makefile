@@ -23,7 +23,7 @@ test-all: install
 
 # TRL's GRPOTrainer against both trainers (README "Performance"); installs TRL, a bench-only dependency.
 bench-trl: install
-	$(PY) -m pip install -q -r requirements-bench.txt
+	@bash tools/install.sh requirements-bench.txt
 	$(PY) bench/compare_trl.py --steps 30 --skip 3 --lengths 32,256
 
 # Rebuild the committed tiny world from its seeds (no run needs this).

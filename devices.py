@@ -34,17 +34,24 @@ def visible_gpus(physical, env=None):
     return [int(part) for part in ids]
 
 
-def generation_gpus(gen_device, gen_tp, trainer_gpus, physical):
-    """The physical GPU ids of a generation worker, and whether it shares them with the trainer.
+def generation_gpus(gen_device, gen_tp, trainer_gpus, physical, worker=0, workers=1):
+    """The physical GPU ids of generation worker `worker` (of `workers`), and whether it shares them
+    with the trainer.
 
-    gen_device >= 0: gen_tp GPUs from that physical id on. -1: the first gen_tp GPUs that no
-    trainer rank of this node uses, or, where there are not enough (one GPU), the trainer's own:
-    vLLM then takes only its --gen_memory share of it."""
+    gen_device >= 0: gen_tp GPUs from that physical id on (worker k: from gen_device + k * gen_tp).
+    -1: the k-th gen_tp GPUs that no trainer rank of this node uses, or, for a single worker where
+    there are not enough (one GPU), the trainer's own: vLLM then takes only its --gen_memory share."""
     if gen_device >= 0:
-        ids = list(range(gen_device, gen_device + gen_tp))
+        ids = list(range(gen_device + worker * gen_tp, gen_device + (worker + 1) * gen_tp))
     else:
         free = [g for g in physical if g not in trainer_gpus]
-        ids = free[:gen_tp] if len(free) >= gen_tp else list(physical[:gen_tp])
+        if len(free) >= workers * gen_tp:
+            ids = free[worker * gen_tp:(worker + 1) * gen_tp]
+        elif workers == 1:
+            ids = list(physical[:gen_tp])
+        else:
+            raise SystemExit(f"--gen_workers {workers} --gen_tp {gen_tp} needs {workers * gen_tp} GPUs that no trainer "
+                             f"rank uses; this node has {len(free)} ({free}): each worker takes GPUs of its own")
     missing = [g for g in ids if g not in physical]
     if missing:
         listed = f"GPUs {physical[0]}-{physical[-1]}" if physical else "no GPU"

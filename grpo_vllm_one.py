@@ -17,6 +17,7 @@ While the trainer computes step s, the worker already samples the batch for step
 slightly older weights (never more than `max_policy_lag` versions). Each rollout carries the policy
 version and vLLM's log-probs; the update weights each token by min(pi_old / pi_vLLM, tis_cap)
 (truncated importance sampling), so it stays correct off-policy and across the two engines' numerics.
+Where sampling is the slow part, --gen_workers K runs K workers that make the batches in turn.
 
 Read the lines marked `# GRPO n.` for the algorithm (the loss itself: grpo_math.py); the rest is
 plumbing: the worker process (worker_process.py), the weight channel (weight_sync.py), the waits
@@ -56,7 +57,8 @@ from protocol import post_groups, ref_request, take_group
 from report import finish_run
 from vllm_engine import sample, start_vllm
 from weight_sync import WeightSender, receive_weights, sync_weights
-from worker_process import local_world_size, start_worker, stop_worker, take_local_group, watch_parent
+from worker_process import (check_workers, draws_to_resume, local_world_size, start_workers, stop_workers,
+                            take_local_group, watch_parent)
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Config(TrainConfig):
     gen_device: int = flag(-1, "vLLM's first GPU as nvidia-smi numbers it; -1: the first no trainer rank uses")
     gen_tp: int = flag(1, "vLLM tensor-parallel size: GPUs gen_device, gen_device + 1, ...")
     gen_every: int = flag(0, "one generation worker per this many trainer ranks (0: one per node)")
+    gen_workers: int = flag(1, "generation workers (vLLM engines) per trainer, each on GPU(s) or core(s) of its own")
     gen_threads: int = flag(1, "CPU machines: cores given to the worker's vLLM (the last ones)")
     gen_memory: float = flag(0.0, "vLLM's gpu_memory_utilization; 0: 0.9 on a GPU of its own, 0.3 beside the trainer")
     max_model_len: int = flag(512, "vLLM's context length: prompt + completion")
@@ -80,10 +83,11 @@ class Config(TrainConfig):
 
 
 # ---------------------------------------------------------------------------- generation worker
-def gen_worker(cfg, run_id, ranks, channels, parent_pid):
-    """The worker process: sample, score, post groups to the ref server (or, with beta 0, hand
-    them to the trainer through channels.groups) for the trainer ranks `ranks`; take new weights.
-    Every batch, kept or dropped, is reported on channels.status (progress.py)."""
+def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
+    """Worker process number `worker`: sample, score, post groups to the ref server (or, with beta 0,
+    hand them to the trainer through channels.groups) for the trainer ranks `ranks`; take new weights.
+    With K workers it makes batches worker, worker + K, ...; every batch, kept or dropped, is reported
+    on channels.status (progress.py)."""
     watch_parent(parent_pid)  # a trainer killed without clean-up must not leave this process behind
 
     # the trainer notices a dead ref server first, and names it, if this process waits longer
@@ -95,10 +99,10 @@ def gen_worker(cfg, run_id, ranks, channels, parent_pid):
     tokenizer = llm.get_tokenizer()
     stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)
     reward_weights, problems = check_options(cfg), load_data(cfg)  # this process loads the reward file too
-    rng, G = random.Random(cfg.seed + ranks[0]), cfg.num_generations  # each worker its own draws
+    rng, G = random.Random(cfg.seed + ranks[0] + 1000 * worker), cfg.num_generations  # each worker its own draws
     # version: trainer steps in the loaded weights (None: resuming, the checkpoint's are on their way);
     # draws: batches of problems taken from rng so far, the data position a checkpoint records
-    version, batch_index, draws, shared, load_s = (None if cfg.resume else 0), 0, 0, {}, 0.0
+    version, batch_index, draws, shared, load_s = (None if cfg.resume else 0), worker, 0, {}, 0.0
     generated, ask_again = 0, []  # completions made so far; regroup: questions to ask once more
     world = int(os.environ.get("WORLD_SIZE", "1"))
     n = len(ranks)  # batch b goes to rank ranks[b % n]
@@ -143,8 +147,8 @@ def gen_worker(cfg, run_id, ranks, channels, parent_pid):
         gen_s = time.time() - t0
         # GRPO 2. score them; group-relative advantages; groups whose rewards are all alike are dropped
         rewards, scores = score_groups(texts, batch_problems, G, reward_weights)
-        meta = {"run_id": rank_run_id(run_id, ranks[batch_index % n], world, cfg.regroup), "policy_version": version,
-                "temperature": cfg.temperature}
+        meta = {"run_id": stream_id(run_id, ranks[batch_index % n], world, cfg, worker), "policy_version": version,
+                "temperature": cfg.temperature, "worker": worker}
         groups, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, old_logps,
                                          keep_equal=cfg.regroup, scale_rewards=cfg.scale_rewards, scores=scores)
         # to the trainer: through the ref server (it adds ref_logps), or straight (beta 0); progress to the bar
@@ -163,7 +167,7 @@ def gen_worker(cfg, run_id, ranks, channels, parent_pid):
             post_groups(cfg, groups)
         for group in groups if not uses_ref_server(cfg) else []:
             channels.groups.put(group)  # local: tensors travel in shared memory, nothing is pickled over a network
-        batch_index += bool(groups)
+        batch_index += cfg.gen_workers if groups else 0  # a batch with no group kept is sampled again
 
 
 def sampling_version(batch, cfg):
@@ -173,10 +177,18 @@ def sampling_version(batch, cfg):
     return -(-oldest // cfg.sync_every) * cfg.sync_every
 
 
-def rank_run_id(run_id, rank, world, regroup):
-    """The run_id a rank's batches carry: the server hands each rank its own (regroup: any rank
-    takes any group, each a whole group)."""
-    return run_id if world == 1 or regroup else f"{run_id}-{rank}"
+def stream_id(run_id, rank, world, cfg, worker):
+    """The run_id a batch carries: the server hands each rank its own, and each worker's apart, so
+    the groups of two batches never mix (regroup: any rank takes any group, each a whole group)."""
+    if cfg.regroup:
+        return run_id
+    return run_id + (f"-{rank}" if world > 1 else "") + (f"-w{worker}" if cfg.gen_workers > 1 else "")
+
+
+def batch_worker(step, rank, served, cfg):
+    """Which worker makes the batch of `step` for `rank`: a worker set makes batches b = 0, 1, 2, ...
+    in turn for its ranks `served` (b -> rank served[b % len(served)]), worker b % gen_workers."""
+    return ((step - 1) * len(served) + served.index(rank)) % cfg.gen_workers
 
 
 def uses_ref_server(cfg):
@@ -206,22 +218,18 @@ def main(cfg: Config):
     run_id = uuid.uuid4().hex  # tells this run's groups from any another run left in the server
     # one worker per gen_every ranks (default: per node, on its local rank 0) serves those ranks
     every = cfg.gen_every or local_world_size(world)
-    served = list(range(rank, min(rank + every, world)))
-    if cfg.regroup and every < world:
-        raise SystemExit("--regroup takes one generation worker: set --gen_every to the number of ranks")
-    worker, channels = start_worker(gen_worker, cfg, run_id, served) if rank % every == 0 else (None, None)
-    sender = WeightSender(channels.weights, channels.loaded) if worker is not None else None
+    served = list(range(rank - rank % every, min(rank - rank % every + every, world)))
+    if cfg.regroup and (every < world or cfg.gen_workers > 1):
+        raise SystemExit("--regroup takes one generation worker: --gen_workers 1, --gen_every the number of ranks")
+    workers = start_workers(gen_worker, cfg, run_id, served) if rank % every == 0 else []  # [(process, channels)]
+    sender = WeightSender([c.weights for _, c in workers], [c.loaded for _, c in workers]) if workers else None
+    check_alive = lambda: check_workers(workers)  # noqa: E731 - stops the run, naming a worker that died
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on `kill` too
-
-    def check_worker():
-        if worker is not None and not worker.is_alive():
-            raise SystemExit(f"generation worker (pid {worker.pid}) died with exit code {worker.exitcode}: "
-                             f"see its log above")
 
     def take(step):
         """The next group for this rank; while it waits, the bar says what for and the worker's progress."""
         def waiting(waited_s):
-            check_worker()
+            check_alive()
             if progress is None:  # a rank without a worker: another rank's worker fills the ref server
                 deadline = cfg.data_timeout + (cfg.startup_timeout if step == first_step else 0)
                 if waited_s > deadline:
@@ -232,9 +240,10 @@ def main(cfg: Config):
                 raise SystemExit(stop)
             bar.set_description_str(progress.describe(step, waited_s))
             progress.check_deadline(waited_s)
+        k = batch_worker(step, rank, served, cfg)
         if uses_ref_server(cfg):
-            return take_group(cfg, rank_run_id(run_id, rank, world, cfg.regroup), None, waiting, step - 1)
-        return take_local_group(channels.groups, waiting)
+            return take_group(cfg, stream_id(run_id, rank, world, cfg, k), None, waiting, step - 1)
+        return take_local_group(workers[k][1].groups, waiting)
 
     try:
         engine, tokenizer = make_engine(cfg)
@@ -245,15 +254,18 @@ def main(cfg: Config):
         run_dir, metrics_path, first_step, state = open_run(cfg, engine)
         stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)
         doctor = RunDoctor(cfg, metrics_path) if rank == 0 else None  # plain-language warnings (doctor.py)
-        progress = WorkerProgress(channels.status, cfg, doctor) if worker is not None else None  # progress.py
+        progress = WorkerProgress(workers[0][1].status, cfg, doctor) if workers else None  # progress.py
         tracker = Tracker(cfg, run_dir) if rank == 0 else None  # --report_to tensorboard/wandb
-        if state is not None:  # resuming: the worker takes up the checkpoint's data position and weights
-            if sender is not None:
-                sender.queue.put(("resume", (first_step - 1) * len(served), state["draws"]))
-            sync_weights(sender, engine, first_step - 1, cfg.zero_stage, check_worker, cfg.data_timeout)
+        generated, draws = [0] * cfg.gen_workers, [0] * cfg.gen_workers  # per worker: completions made, problems drawn
+        if state is not None:  # resuming: the workers take up the checkpoint's data position and weights
+            draws = draws_to_resume(state, cfg.gen_workers)
+            for k, (_, channels) in enumerate(workers):
+                next_batch = (first_step - 1) * len(served)
+                channels.weights.put(("resume", next_batch + (k - next_batch) % cfg.gen_workers, draws[k]))
+            sync_weights(sender, engine, first_step - 1, cfg.zero_stage, check_alive, cfg.data_timeout)
         bar = tqdm(range(first_step, cfg.steps + 1), desc="grpo (vllm)", initial=first_step - 1, total=cfg.steps,
                    disable=rank != 0)
-        generated, trained, stop = 0, 0, None  # completions: made by the worker, in a trained group; doctor's stop
+        trained, stop = 0, None  # completions in a trained group; the doctor's stop
         for step in bar:
             # GRPO 3. the next batch of groups the worker made, with the reference's log-probs (ref server)
             t0 = time.time()
@@ -265,7 +277,9 @@ def main(cfg: Config):
             bar.set_description_str("grpo (vllm)")
             meta, oldest = metas[-1], min(m["policy_version"] for m in metas)
             trained += sum(g["completion_ids"].size(0) for g in groups)
-            generated = max([generated] + [m["stats"]["generated"] for m in metas])
+            for m in metas:
+                generated[m["worker"]] = max(generated[m["worker"]], m["stats"]["generated"])
+                draws[m["worker"]] = max(draws[m["worker"]], m["draws"])
 
             # GRPO 4. the update: grpo_math.grpo_loss on the batch, one optimizer step; old_logps are vLLM's
             batch = collate(groups, tokenizer.pad_token_id)
@@ -274,9 +288,9 @@ def main(cfg: Config):
 
             # GRPO 5. the worker samples the next batches with the new policy (weights sent in memory)
             if step % cfg.sync_every == 0 and step < cfg.steps:
-                sync_weights(sender, engine, step, cfg.zero_stage, check_worker, cfg.data_timeout)
-            record = {"step": step, **meta["stats"], **stats, "policy_lag": step - 1 - oldest,
-                      "generated": generated, "trained": trained,
+                sync_weights(sender, engine, step, cfg.zero_stage, check_alive, cfg.data_timeout)
+            record = {"step": step, **meta["stats"], **stats, "policy_lag": step - 1 - oldest, "batch": meta["batch"],
+                      "worker": meta["worker"], "generated": sum(generated), "trained": trained,
                       "wait_s": wait_s, "compute_s": compute_s, "sync_s": time.time() - t0 - wait_s - compute_s,
                       "step_s": time.time() - t0}
 
@@ -290,15 +304,13 @@ def main(cfg: Config):
                 stop = doctor.step(record) or stop
             bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['accuracy']:.2f}",
                             kl=f"{record['kl']:.3f}", lag=record["policy_lag"], wait=f"{wait_s:.2f}")
-            last = bool(max_over_ranks(step == cfg.steps or 0 < cfg.max_completions <= generated or bool(stop)))
+            last = bool(max_over_ranks(step == cfg.steps or 0 < cfg.max_completions <= sum(generated) or bool(stop)))
             if step % cfg.save_every == 0 or last:  # the data position after every rank's batch
-                draws = int(max_over_ranks(meta["draws"]))
-                save_checkpoint(engine, tokenizer, run_dir, step, {"draws": draws})
+                save_checkpoint(engine, tokenizer, run_dir, step, {"draws": [int(max_over_ranks(d)) for d in draws]})
             if last:
                 break
     finally:
-        if worker is not None:
-            stop_worker(worker, channels)
+        stop_workers(workers)
     finish_run(run_dir, step, rank, tracker)
     if stop:
         raise SystemExit(stop)

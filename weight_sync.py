@@ -1,9 +1,9 @@
-"""Weights from the trainer to the generation worker, in memory (grpo_vllm_one.py).
+"""Weights from the trainer to the generation workers, in memory (grpo_vllm_one.py).
 
-The trainer copies its weights into one of two flat buffers in shared memory that both processes
-map (WeightSender.send: one memcpy, nothing pickled) and sends (version, buffer index) on a queue;
-the worker loads them into its running vLLM engine in place (receive_weights). A buffer is refilled
-only after the worker has loaded the version it held.
+The trainer copies its weights into one of two flat buffers in shared memory that every process
+maps (WeightSender.send: one memcpy, nothing pickled) and sends (version, buffer index) on each
+worker's queue; each worker loads them into its running vLLM engine in place (receive_weights).
+A buffer is refilled only after every worker has loaded the version it held.
 """
 import contextlib
 import math
@@ -34,16 +34,16 @@ def tensors_in(buffer, layout):
 
 
 class WeightSender:
-    """The trainer's end of the weight sync, all in memory.
+    """The trainer's end of the weight sync, all in memory, to one or several workers.
 
-    The weights are copied into a flat buffer in shared memory that both processes map, and
-    only (version, buffer index) goes through the queue: one memcpy per sync, no pickling of
-    tensors, no allocation after the first. Two buffers are used in turn, and one is refilled
-    only after the worker has loaded the version it held (`loaded`, a shared integer), so the
-    worker never reads weights that are being overwritten."""
+    The weights are copied into a flat buffer in shared memory that every worker maps, and
+    only (version, buffer index) goes through each worker's queue: one memcpy per sync however
+    many workers read it, no pickling of tensors, no allocation after the first. Two buffers are
+    used in turn, and one is refilled only after every worker has loaded the version it held
+    (`loaded`: a shared integer per worker), so no worker reads weights being overwritten."""
 
-    def __init__(self, weights_queue, loaded):
-        self.queue, self.loaded = weights_queue, loaded
+    def __init__(self, queues, loaded):
+        self.queues, self.loaded = queues, loaded  # one of each per worker
         self.buffers, self.held, self.layout, self.syncs = None, [-1, -1], None, 0
 
     def send(self, module, version, zero_stage=0, check_alive=lambda: None, timeout=600.0):
@@ -53,23 +53,25 @@ class WeightSender:
             gather = deepspeed.zero.GatheredParameters(list(module.parameters()))
         with gather, torch.no_grad():
             state_dict = module.state_dict()
-            if self.buffers is None:  # first sync: allocate, and hand the worker the buffers once
+            if self.buffers is None:  # first sync: allocate, and hand the workers the buffers once
                 self.layout, size = weight_layout(state_dict)
                 check_shared_memory(2 * size)
                 self.buffers = [torch.empty(size, dtype=torch.uint8).share_memory_() for _ in range(2)]
-                self.queue.put(("buffers", self.buffers, self.layout))
+                for q in self.queues:
+                    q.put(("buffers", self.buffers, self.layout))
             i, self.syncs = self.syncs % 2, self.syncs + 1
             deadline = time.time() + timeout
-            while self.loaded.value < self.held[i]:  # the worker still needs what this buffer holds
+            while (slowest := min(loaded.value for loaded in self.loaded)) < self.held[i]:  # still needed
                 check_alive()
                 if time.time() > deadline:
-                    raise SystemExit(f"the generation worker has not loaded weights version {self.held[i]} in "
-                                     f"{timeout:.0f} s (--data_timeout): see its log above")
+                    raise SystemExit(f"a generation worker has not loaded weights version {self.held[i]} in "
+                                     f"{timeout:.0f} s (--data_timeout; it has {slowest}): see its log above")
                 time.sleep(0.001)
             for name, view in tensors_in(self.buffers[i], self.layout).items():
                 view.copy_(state_dict[name])
         self.held[i] = version
-        self.queue.put(("weights", version, i))
+        for q in self.queues:
+            q.put(("weights", version, i))
 
 
 def receive_weights(llm, message, shared, loaded):
@@ -86,7 +88,7 @@ def receive_weights(llm, message, shared, loaded):
 
 def sync_weights(sender, engine, version, zero_stage, check_alive, timeout):
     """Every rank calls it: under ZeRO-3 every rank takes part in gathering the weights whole;
-    each rank that runs a worker (sender not None) sends them to it."""
+    each rank that runs workers (sender not None) sends them to its workers."""
     if sender is not None:
         sender.send(engine.module, version, zero_stage, check_alive, timeout)
     elif zero_stage == 3:

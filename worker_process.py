@@ -1,9 +1,9 @@
-"""The generation worker as a process: started on its own GPU(s) or CPU cores, watched, stopped.
+"""The generation workers as processes: started on their own GPU(s) or CPU cores, watched, stopped.
 
-grpo_vllm_one.py's gen_worker runs in a spawned process (a fresh interpreter, so CUDA and vLLM
-start cleanly) and talks to the trainer only through the Channels below. It exits when the
-trainer asks (channels.stop), and on its own when the trainer is gone (watch_parent), so no
-worker outlives its run.
+grpo_vllm_one.py's gen_worker runs in spawned processes (fresh interpreters, so CUDA and vLLM
+start cleanly), --gen_workers of them, each talking to the trainer only through its Channels
+below. They exit when the trainer asks (channels.stop), and on their own when the trainer is
+gone (watch_parent), so no worker outlives its run.
 """
 import dataclasses
 import os
@@ -21,11 +21,11 @@ from devices import generation_gpus, physical_gpus, visible_gpus, vllm_memory_sh
 
 @dataclass
 class Channels:
-    weights: Any  # trainer -> worker queue: ("buffers", ...) once, then ("weights", version, i); ("resume", ...)
-    groups: Any  # worker -> trainer queue, beta 0 only: finished groups (no ref server between them)
-    status: Any  # worker -> trainer queue: ("ready", seconds), then ("batch", summary) per batch (progress.py)
-    loaded: Any  # shared int: the weight version the worker has loaded (weight_sync.WeightSender)
-    stop: Any  # event: the trainer asks the worker to finish
+    weights: Any  # trainer -> this worker: ("buffers", ...) once, then ("weights", version, i); ("resume", ...)
+    groups: Any  # this worker -> trainer, beta 0 only: finished groups (no ref server between them)
+    status: Any  # every worker -> trainer, one queue: ("ready", seconds), then ("batch", summary) per batch
+    loaded: Any  # shared int: the weight version this worker has loaded (weight_sync.WeightSender)
+    stop: Any  # event, one for all workers: the trainer asks them to finish
 
 
 def local_world_size(default):
@@ -39,35 +39,49 @@ def local_world_size(default):
     return default
 
 
-def start_worker(target, cfg, *args):
-    """Spawn target(cfg, *args, channels, parent_pid) on its own device(s) (CUDA: cfg.gen_device,
-    cfg.gen_tp) or its own cores (CPU: the last cfg.gen_threads). Returns the process and its Channels."""
+def start_workers(target, cfg, *args):
+    """Spawn cfg.gen_workers processes, worker k running target(cfg, *args, k, channels_k, parent_pid),
+    each on its own GPU(s) (from cfg.gen_device, cfg.gen_tp at a time) or its own core(s) (CPU: the
+    last cfg.gen_threads for worker 0, the ones before for worker 1, ...). Returns [(process, channels)]."""
     ctx = mp.get_context("spawn")
-    channels = Channels(weights=ctx.Queue(), groups=ctx.Queue(), status=ctx.Queue(), loaded=ctx.Value("i", 0),
-                        stop=ctx.Event())
+    status, stop = ctx.Queue(), ctx.Event()
+    workers = []
+    for k in range(cfg.gen_workers):
+        channels = Channels(weights=ctx.Queue(), groups=ctx.Queue(), status=status, loaded=ctx.Value("i", 0),
+                            stop=stop)
+        worker_cfg, env = place_worker(cfg, k)
+        saved = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)  # a spawned child takes the parent's environment at start
+        try:
+            worker = ctx.Process(target=target, args=(worker_cfg, *args, k, channels, os.getpid()),
+                                 name=f"gen_worker_{k}")
+            worker.start()
+        finally:
+            for name, value in saved.items():
+                os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+        print(f"generation worker {k}: pid {worker.pid}")
+        workers.append((worker, channels))
+    return workers
+
+
+def place_worker(cfg, k):
+    """Worker k's config and environment: which GPUs (CUDA) or cores (CPU) its vLLM runs on."""
     env = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
     if torch.cuda.is_available():
         # this node's trainer ranks use the first local_size visible GPUs; vLLM takes gen_tp GPUs by
         # physical id (devices.generation_gpus), numbered in nvidia-smi's (PCI) order
         physical = physical_gpus()
         trainer_gpus = visible_gpus(physical)[:local_world_size(1)]
-        gpus, shared_gpu = generation_gpus(cfg.gen_device, cfg.gen_tp, trainer_gpus, physical)
+        gpus, shared_gpu = generation_gpus(cfg.gen_device, cfg.gen_tp, trainer_gpus, physical, k, cfg.gen_workers)
         cfg = dataclasses.replace(cfg, gen_memory=vllm_memory_share(cfg.gen_memory, shared_gpu))
         env.update(CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)), CUDA_DEVICE_ORDER="PCI_BUS_ID")
-        print(f"generation worker: vLLM on GPU {gpus} (gpu_memory_utilization {cfg.gen_memory}), "
+        print(f"generation worker {k}: vLLM on GPU {gpus} (gpu_memory_utilization {cfg.gen_memory}), "
               f"trainer on GPU {trainer_gpus}")
-    else:
-        cores = sorted(os.sched_getaffinity(0))
-        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores[-cfg.gen_threads:]))
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # a spawned child takes the parent's environment at start
-    try:
-        worker = ctx.Process(target=target, args=(cfg, *args, channels, os.getpid()), name="gen_worker")
-        worker.start()
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    return worker, channels
+    else:  # worker k takes the gen_threads cores before worker k-1's, wrapping round on a small machine
+        cores, t = sorted(os.sched_getaffinity(0)), cfg.gen_threads
+        mine = [cores[(len(cores) - (k + 1) * t + i) % len(cores)] for i in range(t)]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
+    return cfg, env
 
 
 def watch_parent(parent_pid):
@@ -79,16 +93,37 @@ def watch_parent(parent_pid):
     threading.Thread(target=watch, daemon=True).start()
 
 
-def stop_worker(worker, channels):
-    """Ask the worker to finish; kill it if it has not within 10 s, or at once if a second Ctrl-C or
-    SIGTERM cuts the wait short (else the interpreter's exit would wait for it, unbounded)."""
-    channels.stop.set()
+def check_workers(workers):
+    """Stop the run, naming the worker, if any generation worker has died."""
+    for k, (worker, _) in enumerate(workers):
+        if not worker.is_alive():
+            raise SystemExit(f"generation worker {k} (pid {worker.pid}) died with exit code {worker.exitcode}: "
+                             f"see its log above")
+
+
+def stop_workers(workers):
+    """Ask the workers to finish; kill any that has not within 10 s, or at once if a second Ctrl-C or
+    SIGTERM cuts the wait short (else the interpreter's exit would wait for them, unbounded)."""
+    if workers:
+        workers[0][1].stop.set()  # one event for all
+    deadline = time.time() + 10
     try:
-        worker.join(timeout=10)
+        for worker, _ in workers:
+            worker.join(timeout=max(deadline - time.time(), 0))
     finally:
-        if worker.is_alive():
-            worker.kill()
-            worker.join(timeout=10)
+        for worker, _ in workers:
+            if worker.is_alive():
+                worker.kill()
+                worker.join(timeout=10)
+
+
+def draws_to_resume(state, workers):
+    """A checkpoint's data position: the problem draws each worker had taken (older checkpoints: one number)."""
+    draws = state["draws"] if isinstance(state["draws"], list) else [state["draws"]]
+    if len(draws) != workers:
+        raise SystemExit(f"the checkpoint was made with --gen_workers {len(draws)}: resume with the same number "
+                         f"(each worker continues its own problem draws)")
+    return draws
 
 
 def take_local_group(groups_queue, waiting):

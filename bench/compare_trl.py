@@ -2,7 +2,7 @@
 
     pip install -r requirements-bench.txt   # TRL, for this benchmark only
     python bench/compare_trl.py [--steps 30] [--skip 3] [--lengths 32,256] \\
-        [--systems trl,grpo_train,grpo_vllm_one] > compare_trl.jsonl
+        [--systems trl,grpo_train,grpo_vllm_one] [--gen_workers 1,2] > compare_trl.jsonl
 
 Every system trains the tiny default model (models/tiny-math) on data/toy_math/train.jsonl
 with the same GRPO step: 8 prompts x 8 completions (64 completions, one optimizer step),
@@ -19,7 +19,9 @@ Each system runs in its fastest configuration for this CPU:
                  same process, 2 torch threads, one micro-batch of 64 per step,
                  gradient checkpointing off (--trl_gradient_checkpointing; TRL's default is on)
   grpo_train     its defaults (2 threads), with its reference server (bench/trainers.py)
-  grpo_vllm_one  its defaults (1 trainer thread, 1 vLLM worker thread), with its reference server
+  grpo_vllm_one  its defaults (1 trainer thread, 1 vLLM worker thread), with its reference server;
+                 --gen_workers 1,2 runs it once per worker count (2: a second worker on the trainer's core),
+                 reported as grpo_vllm_one and grpo_vllm_one_k2
 All run with OMP_WAIT_POLICY=PASSIVE (as tools/demo.py): with the default, spinning OpenMP threads
 made TRL's generate ~10x slower whenever anything else ran on the 2 cores. Gradient checkpointing
 costs TRL ~15-40% more CPU time per forward/backward of this model, with no memory it needs to save.
@@ -148,13 +150,14 @@ def run_trl(completion_len, steps, skip, env, gradient_checkpointing, seed):
 
 
 # ---------------------------------------------------------------------------- our trainers
-def run_ours(trainer, completion_len, steps, skip, env, seed):
+def run_ours(trainer, completion_len, steps, skip, env, seed, gen_workers=1):
     flags = ["--batch_prompts", str(PROMPTS), "--num_generations", str(GROUP), "--lr", str(LR),
              "--beta", str(BETA), "--temperature", str(TEMPERATURE), "--seed", str(seed),
              "--max_new_tokens", str(completion_len), "--min_new_tokens", str(completion_len)]
     if trainer == "grpo_vllm_one":
-        flags += ["--max_model_len", "512"]  # the tiny model's max_position_embeddings
-    result = run(trainer, steps, skip, env, flags, run_name=f"bench_{trainer}_L{completion_len}" + (f"_seed{seed}" if seed else ""))
+        flags += ["--max_model_len", "512", "--gen_workers", str(gen_workers)]  # the tiny model's context length
+    name = f"bench_{trainer}_L{completion_len}" + (f"_k{gen_workers}" if gen_workers > 1 else "")
+    result = run(trainer, steps, skip, env, flags, run_name=name + (f"_seed{seed}" if seed else ""))
     result.pop("trainer")
     result["peak_rss_trainer_mb"] = result["peak_rss_mb"]
     result["peak_rss_mb"] = result.pop("peak_rss_with_ref_mb")  # TRL's figure holds its reference model too
@@ -169,6 +172,7 @@ def main():
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--trl_gradient_checkpointing", default="off", choices=["off", "on"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gen_workers", default="1", help="grpo_vllm_one's generation worker counts, e.g. 1,2")
     ap.add_argument("--trl_child", type=int, default=0, help=argparse.SUPPRESS)  # internal: run TRL, length L
     ap.add_argument("--out_dir", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -187,21 +191,24 @@ def main():
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     if set(systems) - {"trl"}:
         build_deepspeed_ops(env)
+    worker_counts = [int(k) for k in args.gen_workers.split(",")]
+    runs = [(s, k) for s in systems for k in (worker_counts if s == "grpo_vllm_one" else [1])]
     speed = {}
     for completion_len in lengths:
-        for system in systems:
+        for system, k in runs:
+            name = system + (f"_k{k}" if k > 1 else "")
             if system == "trl":
                 result = run_trl(completion_len, args.steps, args.skip, env, args.trl_gradient_checkpointing, args.seed)
             else:
-                result = run_ours(system, completion_len, args.steps, args.skip, env, args.seed)
-            result = {"system": system, "completion_len": completion_len, "seed": args.seed, **result,
+                result = run_ours(system, completion_len, args.steps, args.skip, env, args.seed, k)
+            result = {"system": name, "completion_len": completion_len, "seed": args.seed, **result,
                       "steps": args.steps, "timed_steps": args.steps - args.skip}
-            speed[system, completion_len] = result["completions_per_s"]
+            speed[name, completion_len] = result["completions_per_s"]
             print(json.dumps(result), file=results_out, flush=True)
-    if "trl" in systems and len(systems) > 1:
+    if "trl" in systems and len(runs) > 1:
         for completion_len in lengths:
-            ratios = {s: round(speed[s, completion_len] / speed["trl", completion_len], 2)
-                      for s in systems if s != "trl"}
+            ratios = {name: round(speed[name, completion_len] / speed["trl", completion_len], 2)
+                      for name, length in speed if length == completion_len and name != "trl"}
             print(json.dumps({"completion_len": completion_len, "completions_per_s_vs_trl": ratios}),
                   file=results_out, flush=True)
 

@@ -1,10 +1,10 @@
 """bench/trainers.py: grpo_train.py and grpo_vllm_one.py side by side on the tiny default.
 
-    python bench/trainers.py [--steps 100] [--trainers grpo_train,grpo_vllm_one]
+    python bench/trainers.py [--steps 100] [--trainers grpo_train,grpo_vllm_one] [--gen_workers 1,2]
 
 Each trainer runs the same number of steps with its own reference server (tools/demo.py's
-start-up), then its last checkpoint is evaluated greedily on the test split. Prints one
-JSON line per trainer:
+start-up), then its last checkpoint is evaluated greedily on the test split; grpo_vllm_one once
+per --gen_workers count. Prints one JSON line per run:
   completions_per_s  completions sampled per second of the training loop (steps * Q * G / time)
   s_per_step         median wall time of one optimizer step
   gen_s_median       median time to sample one step's batch (in the worker for grpo_vllm_one)
@@ -103,6 +103,7 @@ def main():
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--skip", type=int, default=5, help="first steps left out of the timings")
     ap.add_argument("--trainers", default="grpo_train,grpo_vllm_one")
+    ap.add_argument("--gen_workers", default="1", help="grpo_vllm_one's generation worker counts, e.g. 1,2")
     ap.add_argument("extra", nargs="*", help="flags for both trainers, after --")
     args = ap.parse_args()
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
@@ -112,7 +113,12 @@ def main():
             raise SystemExit(f"unknown trainer {trainer!r}: grpo_train or grpo_vllm_one")
     build_deepspeed_ops(env)
     for trainer in trainers:
-        print(json.dumps(run(trainer, args.steps, args.skip, env, args.extra)), flush=True)
+        for k in [int(k) for k in args.gen_workers.split(",")] if trainer == "grpo_vllm_one" else [1]:
+            extra, name = args.extra, None
+            if k > 1:
+                extra, name = [*args.extra, "--gen_workers", str(k)], f"bench_{trainer}_k{k}"
+            print(json.dumps({**run(trainer, args.steps, args.skip, env, extra, run_name=name), "gen_workers": k}),
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def bench(name, model_dir, repeats):
     trainer_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ctx = mp.get_context("spawn")
     requests, loaded, replies = ctx.Queue(), ctx.Value("i", 0), ctx.Queue()
-    sender = WeightSender(requests, loaded)
+    sender = WeightSender([requests], [loaded])
     proc = ctx.Process(target=worker, args=(model_dir, requests, loaded, replies))
     proc.start()
     try:

@@ -82,6 +82,16 @@ def test_gen_device_picks_gpus_after_the_trainer_ranks_and_shares_a_lone_gpu():
     assert generation_gpus(-1, 1, [0], [0]) == ([0], True)
 
 
+def test_several_workers_take_gpus_of_their_own_in_turn():
+    # one training GPU, three generation GPUs: worker k takes the k-th free one (or k-th gen_tp of them)
+    assert [generation_gpus(-1, 1, [0], [0, 1, 2, 3], k, 3) for k in range(3)] == [([1], False), ([2], False),
+                                                                                   ([3], False)]
+    assert [generation_gpus(-1, 2, [0], list(range(5)), k, 2)[0] for k in range(2)] == [[1, 2], [3, 4]]
+    assert [generation_gpus(4, 2, [0], list(range(8)), k, 2)[0] for k in range(2)] == [[4, 5], [6, 7]]
+    with pytest.raises(SystemExit, match=r"--gen_workers 2 --gen_tp 1 needs 2 GPUs that no trainer rank uses"):
+        generation_gpus(-1, 1, [0], [0, 1], 1, 2)  # two workers cannot share the trainer's GPU
+
+
 def test_a_gen_device_that_is_not_on_the_machine_is_a_clear_error():
     with pytest.raises(SystemExit, match=r"needs GPU\(s\) \[3\], but nvidia-smi lists GPUs 0-2"):
         generation_gpus(3, 1, [2], [0, 1, 2])

@@ -70,7 +70,7 @@ def test_after_a_sync_vllm_is_the_trainers_model(llm, policy):
     # the trainer's path: WeightSender copies into shared memory, the queue carries (version, buffer)
     ctx = torch.multiprocessing.get_context("spawn")
     weights_queue, loaded, shared = ctx.Queue(), ctx.Value("i", 0), {}
-    WeightSender(weights_queue, loaded).send(policy, version=1)
+    WeightSender([weights_queue], [loaded]).send(policy, version=1)
     while (version := receive_weights(llm, weights_queue.get(timeout=10), shared, loaded)) is None:
         pass  # the first message hands over the buffers
     assert version == loaded.value == 1

