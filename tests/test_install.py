@@ -17,11 +17,14 @@ def test_the_bench_extras_install_leaves_vllm_and_trl_importable(tmp_path):
     for name in ("requirements-cpu.txt", "requirements-bench.txt", "tools/install.sh"):
         os.makedirs(tmp_path / os.path.dirname(name), exist_ok=True)
         shutil.copy(os.path.join(ROOT, name), tmp_path / name)
-    out = subprocess.run(["bash", "tools/install.sh", "requirements-bench.txt"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=1500)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    python = str(tmp_path / ".venv" / "bin" / "python")
-    check = subprocess.run([python, "-c", "from vllm import LLM; from trl import GRPOConfig, GRPOTrainer; "
-                            "import importlib.util as u; print(u.find_spec('torchvision'))"],
-                           capture_output=True, text=True, timeout=600)
-    assert check.returncode == 0 and check.stdout.strip() == "None", check.stderr[-3000:]
+    try:
+        out = subprocess.run(["bash", "tools/install.sh", "requirements-bench.txt"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=1500)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+        python = str(tmp_path / ".venv" / "bin" / "python")
+        check = subprocess.run([python, "-c", "from vllm import LLM; from trl import GRPOConfig, GRPOTrainer; "
+                                "import importlib.util as u; print(u.find_spec('torchvision'))"],
+                               capture_output=True, text=True, timeout=600)
+        assert check.returncode == 0 and check.stdout.strip() == "None", check.stderr[-3000:]
+    finally:
+        shutil.rmtree(tmp_path / ".venv", ignore_errors=True)  # a full install: about 4 GB
