@@ -70,7 +70,7 @@ class Config(TrainConfig):
     gen_tp: int = flag(1, "vLLM tensor-parallel size: GPUs gen_device, gen_device + 1, ...")
     gen_every: int = flag(0, "one generation worker per this many trainer ranks (0: one per node)")
     gen_workers: int = flag(1, "generation workers (vLLM engines) per trainer, each on GPU(s) or core(s) of its own")
-    gen_threads: int = flag(1, "CPU machines: cores given to the worker's vLLM (the last ones)")
+    gen_threads: int = flag(1, "CPU machines: cores for each worker's vLLM (worker 0: the last ones, 1: those before)")
     gen_memory: float = flag(0.0, "vLLM's gpu_memory_utilization; 0: 0.9 on a GPU of its own, 0.3 beside the trainer")
     max_model_len: int = flag(512, "vLLM's context length: prompt + completion")
     tis_cap: float = flag(2.0, "truncated importance sampling: tokens weighted by min(pi_old / pi_vLLM, cap); 0: off")
