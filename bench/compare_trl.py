@@ -1,6 +1,6 @@
 """bench/compare_trl.py: TRL's GRPOTrainer against grpo_train.py and grpo_vllm_one.py, same work, on CPU.
 
-    pip install -r requirements-bench.txt   # TRL, for this benchmark only
+    bash tools/install.sh requirements-bench.txt   # TRL, for this benchmark only (make bench-trl does both)
     python bench/compare_trl.py [--steps 30] [--skip 3] [--lengths 32,256] \\
         [--systems trl,grpo_train,grpo_vllm_one] [--gen_workers 1,2] > compare_trl.jsonl
 
