@@ -23,6 +23,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from metrics import read_metrics  # noqa: E402
 from tools.demo import TINY_WORLD_FLAGS, evaluate, free_port, start_ref_server  # noqa: E402
 
 PIPELINES = {"base": ("ref_server.py", "grpo_vllm_one.py"),
@@ -45,7 +46,7 @@ def run(pipeline, completions, seed, env):
         server.terminate()
         server.wait(timeout=30)
     minutes = (time.time() - t0) / 60
-    rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", run_name, "metrics.jsonl"))]
+    rows, _ = read_metrics(os.path.join(ROOT, "runs", run_name, "metrics.jsonl"))  # steps, not the doctor's warnings
     last = rows[-1]
     after = evaluate(os.path.join("runs", run_name, f"step_{last['step']}"), env)
     return {"pipeline": pipeline, "useful_fraction": round(last["trained"] / last["generated"], 3),

@@ -27,6 +27,7 @@ import psutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from metrics import read_metrics  # noqa: E402
 from tools.demo import TINY_WORLD_FLAGS, evaluate, free_port, start_ref_server  # noqa: E402
 
 
@@ -83,7 +84,7 @@ def run(trainer, steps, skip, env, extra, run_name=None):
     finally:
         server.terminate()
         server.wait(timeout=30)
-    rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", run_name, "metrics.jsonl"))]
+    rows, _ = read_metrics(os.path.join(ROOT, "runs", run_name, "metrics.jsonl"))  # steps, not the doctor's warnings
     timed = rows[skip:]
     config = json.load(open(os.path.join(ROOT, "runs", run_name, "config.json")))
     completions = len(timed) * config["batch_prompts"] * config["num_generations"]
