@@ -159,6 +159,11 @@ def exchange(port, chunks, pause=0.0, hang=False):
             pass  # reset: closed
     finally:
         s.close()
+    return answer_of(data)
+
+
+def answer_of(data):
+    """What the server sent back: its HTTP status, "closed" for nothing, "garbled" for no status line."""
     statuses = re.findall(rb"^HTTP/1\.[01] (\d{3})", data, re.M)
     statuses = [int(code) for code in statuses if code != b"100"]  # after "100 Continue" comes the answer
     return statuses[0] if statuses else ("closed" if not data else "garbled")
@@ -328,8 +333,7 @@ def read_until_closed(socks):
                 if not part:
                     sel.unregister(s)
                     s.close()
-                    codes = re.findall(rb"^HTTP/1\.[01] (\d{3})", data.pop(s), re.M)
-                    answers.append(int(codes[0]) if codes else "closed")
+                    answers.append(answer_of(data.pop(s)))
     answers += ["open"] * len(data)
     for s in data:
         s.close()
