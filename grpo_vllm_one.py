@@ -71,6 +71,8 @@ class Config(TrainConfig):
     gen_every: int = flag(0, "one generation worker per this many trainer ranks (0: one per node)")
     gen_workers: int = flag(1, "generation workers (vLLM engines) per trainer, each on GPU(s) or core(s) of its own")
     gen_threads: int = flag(1, "CPU machines: cores for each worker's vLLM (worker 0: the last ones, 1: those before)")
+    gen_compile: bool = flag(False, "CPU machines: torch.compile vLLM's model (~25 s more start-up, 10-20% faster "
+                                    "sampling; on a GPU vLLM always compiles)")
     gen_memory: float = flag(0.0, "vLLM's gpu_memory_utilization; 0: 0.9 on a GPU of its own, 0.3 beside the trainer")
     max_model_len: int = flag(512, "vLLM's context length: prompt + completion")
     tis_cap: float = flag(2.0, "truncated importance sampling: tokens weighted by min(pi_old / pi_vLLM, cap); 0: off")
@@ -93,7 +95,7 @@ def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
     # the trainer notices a dead ref server first, and names it, if this process waits longer
     cfg = dataclasses.replace(cfg, peer_timeout=cfg.peer_timeout + 15)
     t0 = time.time()
-    llm = start_vllm(cfg)
+    llm = start_vllm(cfg, compile=cfg.gen_compile)
     channels.status.put(("ready", time.time() - t0))
     logging.getLogger("vllm").setLevel(logging.ERROR)  # started: its per-reload notes would flood the log
     tokenizer = llm.get_tokenizer()
@@ -118,9 +120,12 @@ def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
                 message = channels.weights.get(timeout=1.0) if must_wait else channels.weights.get_nowait()
             except queue.Empty:
                 pass
-        if (message is not None and message[0] == "weights" and version is not None and not cfg.regroup
-                and message[1] > sampling_version(batch_index // n, cfg)):
-            message, held = None, message  # too new for this batch: loaded once it is sampled
+        if message is not None and message[0] == "weights" and version is not None and not cfg.regroup:
+            due = sampling_version(batch_index // n, cfg)  # the version that samples this worker's next batch
+            if message[1] > due:
+                message, held = None, message  # too new for this batch: loaded once it is sampled
+            elif message[1] < due:  # too old (--gen_workers > 1: another worker's batch was sampled with it)
+                channels.loaded.value, message = message[1], None  # passed over, never loaded: its buffer is free
         waiting_since = (waiting_since or time.time()) if must_wait and message is None else None
         if waiting_since is not None and time.time() - waiting_since > cfg.data_timeout:
             raise SystemExit(f"generation worker: no new weights from the trainer in {cfg.data_timeout:.0f} s "

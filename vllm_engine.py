@@ -9,13 +9,15 @@ import torch
 from devices import vllm_memory_share
 
 
-def start_vllm(cfg):
+def start_vllm(cfg, compile=False):
     """An in-process vLLM engine (no engine subprocess: weights can be handed to it directly)
-    that reports the log-probs of sampled tokens after temperature, as the trainer computes them."""
+    that reports the log-probs of sampled tokens after temperature, as the trainer computes them.
+    On a CPU the model runs eagerly unless compile: torch.compile then takes ~25 s more at
+    start-up for 10-20% faster sampling (on a GPU vLLM always compiles and captures CUDA graphs)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
-    return LLM(model=cfg.model, dtype=cfg.dtype, seed=cfg.seed, enforce_eager=not torch.cuda.is_available(),
+    return LLM(model=cfg.model, dtype=cfg.dtype, seed=cfg.seed, enforce_eager=not (torch.cuda.is_available() or compile),
                tensor_parallel_size=cfg.gen_tp,
                max_model_len=cfg.max_model_len, gpu_memory_utilization=vllm_memory_share(cfg.gen_memory, shared_gpu=True),
                logprobs_mode="processed_logprobs")
@@ -28,7 +30,8 @@ def sample(llm, prompts, cfg, stop_ids=()):
     from vllm import SamplingParams
     params = SamplingParams(n=cfg.num_generations, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
                             min_tokens=cfg.min_new_tokens, stop_token_ids=list(stop_ids),
-                            logprobs=0)  # logprobs=0: just the sampled token's
+                            logprobs=0,  # just the sampled token's
+                            detokenize=False)  # token ids are all we use: no text, no per-token decoding
     outputs = llm.generate(prompts, params, use_tqdm=False)
     pad = llm.get_tokenizer().pad_token_id
     completions = [c for out in outputs for c in out.outputs]

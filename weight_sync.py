@@ -3,7 +3,8 @@
 The trainer copies its weights into one of two flat buffers in shared memory that every process
 maps (WeightSender.send: one memcpy, nothing pickled) and sends (version, buffer index) on each
 worker's queue; each worker loads them into its running vLLM engine in place (receive_weights).
-A buffer is refilled only after every worker has loaded the version it held.
+A buffer is refilled only after every worker has loaded the version it held (or passed it over:
+with several workers, each loads just the versions it samples with).
 """
 import contextlib
 import math
@@ -39,8 +40,9 @@ class WeightSender:
     The weights are copied into a flat buffer in shared memory that every worker maps, and
     only (version, buffer index) goes through each worker's queue: one memcpy per sync however
     many workers read it, no pickling of tensors, no allocation after the first. Two buffers are
-    used in turn, and one is refilled only after every worker has loaded the version it held
-    (`loaded`: a shared integer per worker), so no worker reads weights being overwritten."""
+    used in turn, and one is refilled only after every worker has loaded the version it held, or
+    passed it over for a newer one (`loaded`: a shared integer per worker), so no worker reads
+    weights being overwritten."""
 
     def __init__(self, queues, loaded):
         self.queues, self.loaded = queues, loaded  # one of each per worker

@@ -24,7 +24,7 @@ class Channels:
     weights: Any  # trainer -> this worker: ("buffers", ...) once, then ("weights", version, i); ("resume", ...)
     groups: Any  # this worker -> trainer, beta 0 only: finished groups (no ref server between them)
     status: Any  # every worker -> trainer, one queue: ("ready", seconds), then ("batch", summary) per batch
-    loaded: Any  # shared int: the weight version this worker has loaded (weight_sync.WeightSender)
+    loaded: Any  # shared int: the newest weight version this worker has loaded or passed over (weight_sync)
     stop: Any  # event, one for all workers: the trainer asks them to finish
 
 
@@ -49,12 +49,12 @@ def start_workers(target, cfg, *args):
     for k in range(cfg.gen_workers):
         channels = Channels(weights=ctx.Queue(), groups=ctx.Queue(), status=status, loaded=ctx.Value("i", 0),
                             stop=stop)
-        worker_cfg, env = place_worker(cfg, k)
+        worker_cfg, env, cores = place_worker(cfg, k)
         saved = {name: os.environ.get(name) for name in env}
         os.environ.update(env)  # a spawned child takes the parent's environment at start
         try:
-            worker = ctx.Process(target=target, args=(worker_cfg, *args, k, channels, os.getpid()),
-                                 name=f"gen_worker_{k}")
+            worker = ctx.Process(target=run_on_cores, name=f"gen_worker_{k}",
+                                 args=(cores, target, worker_cfg, *args, k, channels, os.getpid()))
             worker.start()
         finally:
             for name, value in saved.items():
@@ -65,7 +65,7 @@ def start_workers(target, cfg, *args):
 
 
 def place_worker(cfg, k):
-    """Worker k's config and environment: which GPUs (CUDA) or cores (CPU) its vLLM runs on."""
+    """Worker k's config, environment and CPU cores (None: any): which GPUs (CUDA) or cores (CPU) its vLLM runs on."""
     env = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
     if torch.cuda.is_available():
         # this node's trainer ranks use the first local_size visible GPUs; vLLM takes gen_tp GPUs by
@@ -77,11 +77,24 @@ def place_worker(cfg, k):
         env.update(CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)), CUDA_DEVICE_ORDER="PCI_BUS_ID")
         print(f"generation worker {k}: vLLM on GPU {gpus} (gpu_memory_utilization {cfg.gen_memory}), "
               f"trainer on GPU {trainer_gpus}")
-    else:  # worker k takes the gen_threads cores before worker k-1's, wrapping round on a small machine
-        cores, t = sorted(os.sched_getaffinity(0)), cfg.gen_threads
-        mine = [cores[(len(cores) - (k + 1) * t + i) % len(cores)] for i in range(t)]
-        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
-    return cfg, env
+        return cfg, env, None
+    # worker k takes the gen_threads cores before worker k-1's, wrapping round on a small machine.
+    # OMP_NUM_THREADS caps every OpenMP runtime in the process: vLLM's CPU kernels bring their own,
+    # which torch.set_num_threads does not reach (unset, it ran one thread per core of the machine)
+    cores, t = sorted(os.sched_getaffinity(0)), cfg.gen_threads
+    mine = [cores[(len(cores) - (k + 1) * t + i) % len(cores)] for i in range(t)]
+    env["OMP_NUM_THREADS"] = str(t)
+    print(f"generation worker {k}: vLLM on CPU core(s) {mine}")
+    return cfg, env, mine
+
+
+def run_on_cores(cores, target, *args):
+    """The worker process's entry: keep it, and every thread it starts, on its cores; then run target.
+    (vLLM's own VLLM_CPU_OMP_THREADS_BIND binds only the engine processes it spawns, not an
+    in-process engine like ours.)"""
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
+    target(*args)
 
 
 def watch_parent(parent_pid):

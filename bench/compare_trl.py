@@ -2,7 +2,7 @@
 
     bash tools/install.sh requirements-bench.txt   # TRL, for this benchmark only (make bench-trl does both)
     python bench/compare_trl.py [--steps 30] [--skip 3] [--lengths 32,256] \\
-        [--systems trl,grpo_train,grpo_vllm_one] [--gen_workers 1,2] > compare_trl.jsonl
+        [--systems trl,grpo_train,grpo_vllm_one] [--gen_workers 1,2] [--gen_compile on] > compare_trl.jsonl
 
 Every system trains the tiny default model (models/tiny-math) on data/toy_math/train.jsonl
 with the same GRPO step: 8 prompts x 8 completions (64 completions, one optimizer step),
@@ -19,9 +19,11 @@ Each system runs in its fastest configuration for this CPU:
                  same process, 2 torch threads, one micro-batch of 64 per step,
                  gradient checkpointing off (--trl_gradient_checkpointing; TRL's default is on)
   grpo_train     its defaults (2 threads), with its reference server (bench/trainers.py)
-  grpo_vllm_one  its defaults (1 trainer thread, 1 vLLM worker thread), with its reference server;
-                 --gen_workers 1,2 runs it once per worker count (2: a second worker on the trainer's core),
-                 reported as grpo_vllm_one and grpo_vllm_one_k2
+  grpo_vllm_one  its defaults (1 trainer thread, each vLLM worker on a core of its own) and
+                 --gen_compile (vLLM's model compiled: ~25 s more start-up, excluded, for 10-20% faster
+                 sampling; --gen_compile off: eager), with its reference server; --gen_workers 1,2 runs it
+                 once per worker count (2: a second worker on the trainer's core), reported as
+                 grpo_vllm_one and grpo_vllm_one_k2
 All run with OMP_WAIT_POLICY=PASSIVE (as tools/demo.py): with the default, spinning OpenMP threads
 made TRL's generate ~10x slower whenever anything else ran on the 2 cores. Gradient checkpointing
 costs TRL ~15-40% more CPU time per forward/backward of this model, with no memory it needs to save.
@@ -150,12 +152,13 @@ def run_trl(completion_len, steps, skip, env, gradient_checkpointing, seed):
 
 
 # ---------------------------------------------------------------------------- our trainers
-def run_ours(trainer, completion_len, steps, skip, env, seed, gen_workers=1):
+def run_ours(trainer, completion_len, steps, skip, env, seed, gen_workers=1, gen_compile=True):
     flags = ["--batch_prompts", str(PROMPTS), "--num_generations", str(GROUP), "--lr", str(LR),
              "--beta", str(BETA), "--temperature", str(TEMPERATURE), "--seed", str(seed),
              "--max_new_tokens", str(completion_len), "--min_new_tokens", str(completion_len)]
     if trainer == "grpo_vllm_one":
         flags += ["--max_model_len", "512", "--gen_workers", str(gen_workers)]  # the tiny model's context length
+        flags += ["--gen_compile"] if gen_compile else []
     name = f"bench_{trainer}_L{completion_len}" + (f"_k{gen_workers}" if gen_workers > 1 else "")
     result = run(trainer, steps, skip, env, flags, run_name=name + (f"_seed{seed}" if seed else ""))
     result.pop("trainer")
@@ -173,6 +176,7 @@ def main():
     ap.add_argument("--trl_gradient_checkpointing", default="off", choices=["off", "on"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gen_workers", default="1", help="grpo_vllm_one's generation worker counts, e.g. 1,2")
+    ap.add_argument("--gen_compile", default="on", choices=["on", "off"], help="grpo_vllm_one's --gen_compile")
     ap.add_argument("--trl_child", type=int, default=0, help=argparse.SUPPRESS)  # internal: run TRL, length L
     ap.add_argument("--out_dir", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -200,7 +204,10 @@ def main():
             if system == "trl":
                 result = run_trl(completion_len, args.steps, args.skip, env, args.trl_gradient_checkpointing, args.seed)
             else:
-                result = run_ours(system, completion_len, args.steps, args.skip, env, args.seed, k)
+                result = run_ours(system, completion_len, args.steps, args.skip, env, args.seed, k,
+                                  args.gen_compile == "on")
+            if system == "grpo_vllm_one":
+                result["gen_compile"] = args.gen_compile == "on"
             result = {"system": name, "completion_len": completion_len, "seed": args.seed, **result,
                       "steps": args.steps, "timed_steps": args.steps - args.skip}
             speed[name, completion_len] = result["completions_per_s"]
