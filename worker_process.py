@@ -65,7 +65,8 @@ def start_workers(target, cfg, *args):
 
 
 def place_worker(cfg, k):
-    """Worker k's config, environment and CPU cores (None: any): which GPUs (CUDA) or cores (CPU) its vLLM runs on."""
+    """Worker k's config and environment (which GPUs its vLLM sees), and the CPU cores to pin it to
+    (None on a GPU machine)."""
     env = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
     if torch.cuda.is_available():
         # this node's trainer ranks use the first local_size visible GPUs; vLLM takes gen_tp GPUs by

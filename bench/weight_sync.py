@@ -37,7 +37,6 @@ QWEN05 = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num
 
 def worker(model_dir, requests, loaded, replies):
     """A vLLM engine that loads weights on request and answers when done."""
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     llm = start_vllm(Config(model=model_dir, max_model_len=256))
     replies.put("ready")
     shared = {}
