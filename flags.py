@@ -13,8 +13,9 @@ from dataclasses import field, fields
 
 
 def flag(default, help):
-    """A dataclass field that HfArgumentParser turns into --name with this help."""
-    return field(default=default, metadata={"help": help})
+    """A dataclass field that HfArgumentParser turns into --name with this help (taken as written:
+    argparse would read a % in it as a format)."""
+    return field(default=default, metadata={"help": help.replace("%", "%%")})
 
 
 def flag_parser(config_class, doc=""):
