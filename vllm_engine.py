@@ -9,18 +9,29 @@ import torch
 from devices import vllm_memory_share
 
 
-def start_vllm(cfg, compile=False):
+CPU_BLOCK_SIZE = 32  # tokens per KV-cache block on a CPU (vLLM's CPU default: 128)
+
+
+def start_vllm(cfg, compile=False, block_size=None):
     """An in-process vLLM engine (no engine subprocess: weights can be handed to it directly)
     that reports the log-probs of sampled tokens after temperature, as the trainer computes them.
     On a CPU the model runs eagerly unless compile: torch.compile then takes ~25 s more at
-    start-up for 10-20% faster sampling (on a GPU vLLM always compiles and captures CUDA graphs)."""
+    start-up for 10-20% faster sampling (on a GPU vLLM always compiles and captures CUDA graphs).
+
+    The G completions of a prompt share its KV cache through vLLM's prefix caching, one whole
+    block at a time. On a CPU a block is 128 tokens unless set, so a prompt shorter than that
+    (most of the tiny task's ~130) was run G times over; blocks of CPU_BLOCK_SIZE share all but
+    its last few tokens (bench/sampling.py measures both). block_size: None is CPU_BLOCK_SIZE on
+    a CPU and vLLM's own default on a GPU (16)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
+    if block_size is None and not torch.cuda.is_available():
+        block_size = CPU_BLOCK_SIZE
     return LLM(model=cfg.model, dtype=cfg.dtype, seed=cfg.seed, tensor_parallel_size=cfg.gen_tp,
                enforce_eager=not (torch.cuda.is_available() or compile), max_model_len=cfg.max_model_len,
                gpu_memory_utilization=vllm_memory_share(cfg.gen_memory, shared_gpu=True),
-               logprobs_mode="processed_logprobs")
+               logprobs_mode="processed_logprobs", **({"block_size": block_size} if block_size else {}))
 
 
 def sample(llm, prompts, cfg, stop_ids=()):
