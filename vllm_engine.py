@@ -19,9 +19,9 @@ def start_vllm(cfg, compile=False, block_size=None):
     start-up for 10-20% faster sampling (on a GPU vLLM always compiles and captures CUDA graphs).
 
     The G completions of a prompt share its KV cache through vLLM's prefix caching, one whole
-    block at a time. On a CPU a block is 128 tokens unless set, so a prompt shorter than that
-    (most of the tiny task's ~130) was run G times over; blocks of CPU_BLOCK_SIZE share all but
-    its last few tokens (bench/sampling.py measures both). block_size: None is CPU_BLOCK_SIZE on
+    block at a time. On a CPU vLLM's blocks are 128 tokens unless set, and a prompt shorter than
+    that (the tiny task's are 112-138 tokens) would run G times over; blocks of CPU_BLOCK_SIZE
+    share all of it but its last few tokens (bench/sampling.py measures both). block_size: None is CPU_BLOCK_SIZE on
     a CPU and vLLM's own default on a GPU (16)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
