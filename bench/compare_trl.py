@@ -164,6 +164,8 @@ def run_ours(trainer, completion_len, steps, skip, env, seed, gen_workers=1, gen
     result.pop("trainer")
     result["peak_rss_trainer_mb"] = result["peak_rss_mb"]
     result["peak_rss_mb"] = result.pop("peak_rss_with_ref_mb")  # TRL's figure holds its reference model too
+    if trainer == "grpo_vllm_one":
+        result["gen_compile"] = gen_compile
     return result
 
 
@@ -206,8 +208,6 @@ def main():
             else:
                 result = run_ours(system, completion_len, args.steps, args.skip, env, args.seed, k,
                                   args.gen_compile == "on")
-            if system == "grpo_vllm_one":
-                result["gen_compile"] = args.gen_compile == "on"
             result = {"system": name, "completion_len": completion_len, "seed": args.seed, **result,
                       "steps": args.steps, "timed_steps": args.steps - args.skip}
             speed[name, completion_len] = result["completions_per_s"]

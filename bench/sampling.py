@@ -24,6 +24,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from bench.compare_trl import GROUP, PROMPTS, TEMPERATURE, TRAIN  # noqa: E402 - the same work per batch
 from data import make_prompt, stop_token_ids  # noqa: E402
 from grpo_vllm_one import Config  # noqa: E402
 from task import load_data  # noqa: E402
@@ -40,9 +41,9 @@ def main():
     args = ap.parse_args()
     if args.repeats < 2:
         raise SystemExit("--repeats must be at least 2: the first batch is not counted")
-    cfg = Config(model=os.path.join(ROOT, "models", "tiny-math"), max_model_len=512, num_generations=8,
-                 batch_prompts=8, temperature=0.7, gen_compile=args.gen_compile == "on",
-                 dataset=os.path.join(ROOT, "data", "toy_math", "train.jsonl"))
+    cfg = Config(model=os.path.join(ROOT, "models", "tiny-math"), max_model_len=512, num_generations=GROUP,
+                 batch_prompts=PROMPTS, temperature=TEMPERATURE, gen_compile=args.gen_compile == "on",
+                 dataset=os.path.join(ROOT, TRAIN))
     with contextlib.redirect_stdout(sys.stderr):  # worker 0's core and OpenMP settings, as in a run
         _, env, cores = place_worker(cfg, 0)
     block_size = int(os.environ.get("BENCH_BLOCK_SIZE", "0"))
