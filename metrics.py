@@ -75,10 +75,16 @@ def add_part_stats(stats, part, share):
             stats[key] = stats.get(key, 0.0) + value * share
 
 
+def significant(value, digits=6):
+    """value to `digits` significant digits: the default lr 1e-6 and a KL of 3e-7 keep theirs
+    (rounding to decimal places would log both as 0.0)."""
+    return float(f"{value:.{digits}g}")
+
+
 def log_step(metrics_path, record, tracker=None):
     if record.get("skipped_updates"):
         tqdm.write(f"warning: step {record['step']}: non-finite loss or gradient, update skipped")
-    append_lines(metrics_path, [json.dumps({k: round(v, 5) if isinstance(v, float) else v
+    append_lines(metrics_path, [json.dumps({k: significant(v) if isinstance(v, float) else v
                                             for k, v in record.items()}) + "\n"])
     if tracker is not None:
         tracker.log(record)
