@@ -169,10 +169,10 @@ def is_truncated(completion_ids, stop_ids):
 def completion_mask(completion_ids, stop_ids, mask_truncated=False):
     """1 for tokens up to and including the first stop token, 0 after it, (B, C).
 
-    stop_ids: the EOS id, or a list of ids that end a completion (data.stop_token_ids: EOS and
-    the chat template's turn end). By position, not by token id: EOS itself is trained even when
-    pad == eos, and a completion cut off without EOS keeps all its tokens, unless mask_truncated:
-    then it is all 0 (DAPO: a cut-off answer was not judged on its merits, so it should not be trained)."""
+    stop_ids: the EOS id, or a list of ids that end a completion (stop_token_ids in
+    simple_grpo/task/problems.py: EOS and the chat template's turn end). By position, not by token
+    id: EOS itself is trained even when pad == eos, and a completion cut off without EOS keeps all
+    its tokens, unless mask_truncated: then it is all 0 (DAPO: a cut-off answer was not judged on its merits, so it should not be trained)."""
     is_eos = torch.isin(completion_ids, torch.as_tensor(stop_ids, device=completion_ids.device))
     T = completion_ids.size(1)
     first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], T, dtype=torch.long))

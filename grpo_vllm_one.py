@@ -20,8 +20,8 @@ version and vLLM's log-probs; the update weights each token by min(pi_old / pi_v
 Where sampling is the slow part, --gen_workers K runs K workers that make the batches in turn.
 
 Read the lines marked `# GRPO n.` for the algorithm (the loss itself: grpo_math.py); the rest is
-plumbing: the worker process (worker_process.py), the weight channel (weight_sync.py), the waits
-(progress.py), the run doctor (doctor.py).
+plumbing from simple_grpo/: the worker processes (generation/workers.py), the weight channel
+(generation/weight_sync.py), the waits (generation/progress.py), the run doctor (run/doctor.py).
 """
 import dataclasses
 import logging
@@ -37,51 +37,40 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from tqdm import tqdm
 
-from data import make_prompt, stop_token_ids
-from devices import max_over_ranks
-from completions_log import log_batch_completions
-from doctor import RunDoctor, batch_summary
 from grpo_math import completion_mask, is_truncated
-from progress import WorkerProgress
-from rewards import extract_answer
-from checkpoint import check_run_dir, open_run, save_checkpoint
-from engine import make_engine
-from flags import flag, parse_flags
-from grpo_train import Config as TrainConfig, check_options, grpo_update
-from memory_plan import show_plan
-from preflight import preflight
-from rollouts import collate, make_groups, rollout_stats, score_groups
-from task import load_data
-from metrics import Tracker, log_step
-from protocol import post_groups, ref_request, take_group
-from report import finish_run
-from vllm_engine import sample, start_vllm
-from weight_sync import WeightSender, receive_weights, sync_weights
-from worker_process import (check_workers, draws_to_resume, local_world_size, start_workers, stop_workers,
-                            take_local_group, watch_parent)
+from simple_grpo.devices import max_over_ranks
+from simple_grpo.flags import flag, parse_flags
+from simple_grpo.generation.config import GenerationConfig
+from simple_grpo.generation.progress import WorkerProgress
+from simple_grpo.generation.schedule import batch_worker, sampling_version, stream_id, uses_ref_server
+from simple_grpo.generation.vllm_sampler import sample, start_vllm
+from simple_grpo.generation.weight_sync import WeightSender, receive_weights, sync_weights
+from simple_grpo.generation.workers import (check_workers, draws_to_resume, local_world_size, start_workers,
+                                            stop_workers, take_local_group, watch_parent)
+from simple_grpo.protocol import post_groups, ref_request, take_group
+from simple_grpo.rollouts import collate, make_groups, rollout_stats, score_groups
+from simple_grpo.run.checkpoints import check_run_dir, open_run, save_checkpoint
+from simple_grpo.run.completions_log import log_batch_completions
+from simple_grpo.run.doctor import RunDoctor, batch_summary
+from simple_grpo.run.metrics import Tracker, log_step
+from simple_grpo.run.preflight import preflight
+from simple_grpo.run.report import finish_run
+from simple_grpo.task.config import load_data
+from simple_grpo.task.problems import make_prompt, stop_token_ids
+from simple_grpo.task.rewards import extract_answer
+from simple_grpo.trainer.config import TrainerConfig, check_options
+from simple_grpo.trainer.deepspeed_engine import make_engine
+from simple_grpo.trainer.memory_plan import show_plan
+from simple_grpo.trainer.update import grpo_update
 
 
 @dataclass
-class Config(TrainConfig):
-    SECTIONS = {**TrainConfig.SECTIONS, "gen_device": "the generation worker (vLLM)"}
+class Config(GenerationConfig, TrainerConfig):
+    """grpo_vllm_one.py's flags: the trainers' (simple_grpo/trainer/config.py), the generation worker's
+    (simple_grpo/generation/config.py), and these."""
+    SECTIONS = {**TrainerConfig.SECTIONS, **GenerationConfig.SECTIONS, "run_name": "this script"}
     run_name: str = flag("vllm_one", "outputs go to runs/RUN_NAME/")
     threads: int = flag(1, "the trainer's CPU threads (on a CPU machine the worker has cores of its own)")
-    gen_device: int = flag(-1, "vLLM's first GPU as nvidia-smi numbers it; -1: the first no trainer rank uses")
-    gen_tp: int = flag(1, "vLLM tensor-parallel size: GPUs gen_device, gen_device + 1, ...")
-    gen_every: int = flag(0, "one generation worker per this many trainer ranks (0: one per node)")
-    gen_workers: int = flag(1, "generation workers (vLLM engines) per trainer, each on GPU(s) or core(s) of its own")
-    gen_threads: int = flag(1, "CPU machines: cores for each worker's vLLM (worker 0: the last ones, 1: those before)")
-    gen_compile: bool = flag(False, "CPU machines: torch.compile vLLM's model (~25 s more start-up, 10-20% faster "
-                                    "sampling; on a GPU vLLM always compiles)")
-    gen_memory: float = flag(0.0, "vLLM's gpu_memory_utilization; 0: 0.9 on a GPU of its own, 0.3 beside the trainer")
-    max_model_len: int = flag(512, "vLLM's context length: prompt + completion")
-    tis_cap: float = flag(2.0, "truncated importance sampling: tokens weighted by min(pi_old / pi_vLLM, cap); 0: off")
-    sync_every: int = flag(1, "optimizer steps between weight syncs to the worker")
-    max_policy_lag: int = flag(1, "the worker waits rather than sample with weights older than this")
-    regroup: bool = flag(False, "regroup_ver/: upload all groups; the regrouping server serves mixed-reward ones")
-    max_completions: int = flag(0, "stop once the worker has generated this many completions (0: run all steps)")
-    startup_timeout: float = flag(1200.0, "seconds the generation worker may take to start vLLM (load, compile)")
-    data_timeout: float = flag(600.0, "seconds to wait for a batch once vLLM is up (the worker: for new weights)")
 
 
 # ---------------------------------------------------------------------------- generation worker
@@ -89,7 +78,7 @@ def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
     """Worker process number `worker`: sample, score, post groups to the ref server (or, with beta 0,
     hand them to the trainer through channels.groups) for the trainer ranks `ranks`; take new weights.
     With K workers it makes batches worker, worker + K, ...; every batch, kept or dropped, is reported
-    on channels.status (progress.py)."""
+    on channels.status (generation/progress.py)."""
     watch_parent(parent_pid)  # a trainer killed without clean-up must not leave this process behind
 
     # the trainer notices a dead ref server first, and names it, if this process waits longer
@@ -175,32 +164,6 @@ def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
         batch_index += cfg.gen_workers if groups else 0  # a batch with no group kept is sampled again
 
 
-def sampling_version(batch, cfg):
-    """The policy version that samples a rank's batch-th batch: the oldest the staleness bound allows
-    (versions come every sync_every steps). Fixed, so that a seed repeats its run."""
-    oldest = max(batch - cfg.max_policy_lag, 0)
-    return -(-oldest // cfg.sync_every) * cfg.sync_every
-
-
-def stream_id(run_id, rank, world, cfg, worker):
-    """The run_id a batch carries: the server hands each rank its own, and each worker's apart, so
-    the groups of two batches never mix (regroup: any rank takes any group, each a whole group)."""
-    if cfg.regroup:
-        return run_id
-    return run_id + (f"-{rank}" if world > 1 else "") + (f"-w{worker}" if cfg.gen_workers > 1 else "")
-
-
-def batch_worker(step, rank, served, cfg):
-    """Which worker makes the batch of `step` for `rank`: a worker set makes batches b = 0, 1, 2, ...
-    in turn for its ranks `served` (b -> rank served[b % len(served)]), worker b % gen_workers."""
-    return ((step - 1) * len(served) + served.index(rank)) % cfg.gen_workers
-
-
-def uses_ref_server(cfg):
-    """The KL term needs the reference server's log-probs; regrouping needs its pools."""
-    return cfg.beta != 0 or cfg.regroup
-
-
 # ---------------------------------------------------------------------------- training
 def main(cfg: Config):
     if cfg.max_policy_lag < cfg.sync_every - 1:
@@ -214,8 +177,8 @@ def main(cfg: Config):
         raise SystemExit("several ranks take their batches from the ref server: use --beta > 0 (or one rank)")
     check_options(cfg)  # bad options and data fail here, before any process starts
     load_data(cfg)
+    show_plan(cfg)  # --plan prints it and stops here, before the run directory is looked at
     check_run_dir(cfg)  # a used runs/RUN_NAME/ needs --resume or --overwrite
-    show_plan(cfg)
     if uses_ref_server(cfg):
         ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent
     if cfg.preflight and rank == 0:
@@ -258,8 +221,8 @@ def main(cfg: Config):
             run_id = run_ids[rank - rank % every]
         run_dir, metrics_path, first_step, state = open_run(cfg, engine)
         stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)
-        doctor = RunDoctor(cfg, metrics_path) if rank == 0 else None  # plain-language warnings (doctor.py)
-        progress = WorkerProgress(workers[0][1].status, cfg, doctor) if workers else None  # progress.py
+        doctor = RunDoctor(cfg, metrics_path) if rank == 0 else None  # plain-language warnings (run/doctor.py)
+        progress = WorkerProgress(workers[0][1].status, cfg, doctor) if workers else None  # generation/progress.py
         tracker = Tracker(cfg, run_dir) if rank == 0 else None  # --report_to tensorboard/wandb
         generated, draws = [0] * cfg.gen_workers, [0] * cfg.gen_workers  # per worker: completions made, problems drawn
         if state is not None:  # resuming: the workers take up the checkpoint's data position and weights

@@ -8,7 +8,7 @@ Every system trains the tiny default model (models/tiny-math) on data/toy_math/t
 with the same GRPO step: 8 prompts x 8 completions (64 completions, one optimizer step),
 lr 1e-4 (constant, AdamW betas 0.9/0.99, no weight decay, gradient clipping 1.0), k3 KL
 beta 0.04 to the frozen starting model, sampling temperature 0.7 (no top-k/top-p), the
-'grpo' loss with group-scaled advantages, reward = correctness + 0.5 * format (rewards.py),
+'grpo' loss with group-scaled advantages, reward = correctness + 0.5 * format (simple_grpo/task/rewards.py),
 seed 0 (--seed). Every completion is exactly L tokens long (EOS is suppressed until then: our
 --min_new_tokens, TRL's generation_kwargs min_new_tokens), so the systems do the same
 amount of sampling and training per step whatever the model would write.
@@ -18,7 +18,7 @@ Each system runs in its fastest configuration for this CPU:
                  transformers generate with the KV cache (no vLLM), the reference model in the
                  same process, 2 torch threads, one micro-batch of 64 per step,
                  gradient checkpointing off (--trl_gradient_checkpointing; TRL's default is on)
-  grpo_train     its defaults (2 threads), with its reference server (bench/trainers.py)
+  grpo_train     its defaults (2 threads), with its reference server (bench/harness.py)
   grpo_vllm_one  its defaults (1 trainer thread, each vLLM worker on a core of its own) and
                  --gen_compile (vLLM's model compiled: ~25 s more start-up, excluded, for 10-20% faster
                  sampling; --gen_compile off: eager), with its reference server; --gen_workers 1,2 runs it
@@ -39,7 +39,7 @@ Prints one JSON line per system and length, on stdout (all logs go to stderr):
   peak_rss_mb        peak resident memory of everything the system runs: TRL's process (the
                      reference model is in it); our trainer, its vLLM worker and its reference
                      server, sampled together (peak_rss_trainer_mb: without the server)
-  accuracy_after     greedy test accuracy of the final model (tools/demo.evaluate -> evaluate.py)
+  accuracy_after     greedy test accuracy of the final model (simple_grpo/run/launch.py's evaluate -> evaluate.py)
   completion_len_mean  mean completion length in tokens (should be L)
 then one line per length with the ratios of our completions_per_s to TRL's.
 """
@@ -53,14 +53,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench.trainers import build_deepspeed_ops, run, wait_peak_rss  # noqa: E402
-from tools.demo import MODEL, evaluate  # noqa: E402
+from bench.harness import (BETA, GROUP, LR, PROMPTS, REWARD_WEIGHTS, TEMPERATURE, TRAIN,  # noqa: E402
+                           build_deepspeed_ops, run, wait_peak_rss)
+from simple_grpo.run.launch import MODEL, evaluate  # noqa: E402
 
-# The shared settings: every system gets exactly these.
-TRAIN = "data/toy_math/train.jsonl"
-PROMPTS, GROUP = 8, 8  # prompts per step, completions per prompt
-LR, BETA, TEMPERATURE = 1e-4, 0.04, 0.7
-REWARD_WEIGHTS = {"correctness": 1.0, "format": 0.5}
 SYSTEMS = ("trl", "grpo_train", "grpo_vllm_one")
 
 
@@ -72,8 +68,8 @@ def trl_train(completion_len, steps, out_dir, gradient_checkpointing, seed):
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from data import SYSTEM_PROMPT, load_jsonl
-    from rewards import reference_answer, score
+    from simple_grpo.task.problems import SYSTEM_PROMPT, load_jsonl
+    from simple_grpo.task.rewards import reference_answer, score
 
     torch.set_num_threads(2)
     os.makedirs(out_dir, exist_ok=True)
@@ -128,7 +124,7 @@ def trl_train(completion_len, steps, out_dir, gradient_checkpointing, seed):
 
 
 def run_trl(completion_len, steps, skip, env, gradient_checkpointing, seed):
-    """TRL in a fresh process, its peak RSS sampled like bench/trainers.py's; then evaluated."""
+    """TRL in a fresh process, its peak RSS sampled like our trainers' (bench/harness.py); then evaluated."""
     out_dir = os.path.join("runs", f"bench_trl_L{completion_len}" + (f"_seed{seed}" if seed else ""))
     t0 = time.time()
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--trl_child", str(completion_len),

@@ -24,12 +24,12 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from data import make_prompt, stop_token_ids  # noqa: E402
+from simple_grpo.task.problems import make_prompt, stop_token_ids  # noqa: E402
 from grpo_math import completion_mask, grpo_loss, sequence_logps  # noqa: E402
-from grpo_train import load_data  # noqa: E402
-from rollouts import collate  # noqa: E402
-from grpo_vllm_one import Config  # noqa: E402
-from vllm_engine import sample, start_vllm  # noqa: E402
+from simple_grpo.rollouts import collate  # noqa: E402
+from simple_grpo.task.config import load_data  # noqa: E402
+from bench.harness import SamplerConfig  # noqa: E402
+from simple_grpo.generation.vllm_sampler import sample, start_vllm  # noqa: E402
 
 
 def gradient(model, batch, mask, temperature, old_from_sampler, tis_cap):
@@ -59,8 +59,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(2)
-    cfg = Config(model=args.model, dtype=args.dtype, num_generations=args.generations,
-                 max_new_tokens=args.max_new_tokens, seed=args.seed, dataset=os.path.join(ROOT, Config.dataset))
+    cfg = SamplerConfig(model=args.model, dtype=args.dtype, num_generations=args.generations,
+                 max_new_tokens=args.max_new_tokens, seed=args.seed, dataset=os.path.join(ROOT, SamplerConfig.dataset))
     llm = start_vllm(cfg)
     tokenizer = llm.get_tokenizer()
     stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)

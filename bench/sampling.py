@@ -2,12 +2,12 @@
 
     python bench/sampling.py [--lengths 32,256] [--block_sizes 128,32] [--repeats 8] [--gen_compile off]
 
-As grpo_vllm_one.py's worker does on a CPU (vllm_engine.start_vllm, sample), on one core of its
-own: the tiny default model samples batches of 8 problems x 8 completions from the toy task,
+As grpo_vllm_one.py's worker does on a CPU (simple_grpo/generation/vllm_sampler.py: start_vllm,
+sample), on one core of its own: the tiny default model samples batches of 8 problems x 8 completions from the toy task,
 every completion exactly L tokens (min_new_tokens = max_new_tokens, as bench/compare_trl.py).
 A group's 8 completions share their prompt's KV cache only a whole block at a time (vLLM's
 prefix caching): 128-token blocks (vLLM's CPU default) share nothing of a prompt shorter than
-128 tokens, and one block of a longer one; 32-token blocks (vllm_engine.CPU_BLOCK_SIZE) share
+128 tokens, and one block of a longer one; 32-token blocks (vllm_sampler.CPU_BLOCK_SIZE) share
 all but its last few tokens. Also times the prompts alone (L = 1). Prints one JSON line per
 block size and length: the median seconds per batch over --repeats (the first batch excluded).
 """
@@ -24,12 +24,11 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench.compare_trl import GROUP, PROMPTS, TEMPERATURE, TRAIN  # noqa: E402 - the same work per batch
-from data import make_prompt, stop_token_ids  # noqa: E402
-from grpo_vllm_one import Config  # noqa: E402
-from task import load_data  # noqa: E402
-from vllm_engine import sample, start_vllm  # noqa: E402
-from worker_process import place_worker  # noqa: E402
+from bench.harness import GROUP, PROMPTS, TEMPERATURE, TRAIN, SamplerConfig  # noqa: E402 - the same work
+from simple_grpo.task.problems import make_prompt, stop_token_ids  # noqa: E402
+from simple_grpo.task.config import load_data  # noqa: E402
+from simple_grpo.generation.vllm_sampler import sample, start_vllm  # noqa: E402
+from simple_grpo.generation.workers import place_worker  # noqa: E402
 
 
 def main():
@@ -41,7 +40,7 @@ def main():
     args = ap.parse_args()
     if args.repeats < 2:
         raise SystemExit("--repeats must be at least 2: the first batch is not counted")
-    cfg = Config(model=os.path.join(ROOT, "models", "tiny-math"), max_model_len=512, num_generations=GROUP,
+    cfg = SamplerConfig(model=os.path.join(ROOT, "models", "tiny-math"), max_model_len=512, num_generations=GROUP,
                  batch_prompts=PROMPTS, temperature=TEMPERATURE, gen_compile=args.gen_compile == "on",
                  dataset=os.path.join(ROOT, TRAIN))
     with contextlib.redirect_stdout(sys.stderr):  # worker 0's core and OpenMP settings, as in a run

@@ -2,9 +2,9 @@
 
     python bench/trainers.py [--steps 100] [--trainers grpo_train,grpo_vllm_one] [--gen_workers 1,2]
 
-Each trainer runs the same number of steps with its own reference server (tools/demo.py's
-start-up), then its last checkpoint is evaluated greedily on the test split; grpo_vllm_one once
-per --gen_workers count. Prints one JSON line per run:
+Each trainer runs the same number of steps with its own reference server (bench/harness.py's run,
+which starts it as `make demo` does), then its last checkpoint is evaluated greedily on the test
+split; grpo_vllm_one once per --gen_workers count. Prints one JSON line per run:
   completions_per_s  completions sampled per second of the training loop (steps * Q * G / time)
   s_per_step         median wall time of one optimizer step
   gen_s_median       median time to sample one step's batch (in the worker for grpo_vllm_one)
@@ -18,85 +18,10 @@ The first steps (start-up, first batch) are left out of the medians: --skip.
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
-import time
 
-import psutil
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from metrics import read_metrics  # noqa: E402
-from tools.demo import TINY_WORLD_FLAGS, evaluate, free_port, start_ref_server  # noqa: E402
-
-
-def tree_rss(proc):
-    """Resident memory of a process and all its children, in bytes."""
-    total = 0
-    for p in [proc, *proc.children(recursive=True)]:
-        try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
-def wait_peak_rss(proc, also=None):
-    """Wait for PROC to exit, sampling memory every 0.2 s; returns its tree's peak RSS in bytes,
-    and the peak of its tree plus ALSO's (another process, sampled at the same moments)."""
-    watched, other, peak, peak_with = psutil.Process(proc.pid), also and psutil.Process(also.pid), 0, 0
-    while proc.poll() is None:
-        try:
-            rss = tree_rss(watched)
-            peak, peak_with = max(peak, rss), max(peak_with, rss + (tree_rss(other) if other else 0))
-        except psutil.NoSuchProcess:
-            pass
-        time.sleep(0.2)
-    return peak, peak_with
-
-
-def build_deepspeed_ops(env):
-    """Compile DeepSpeed's CPU comm op now, where grpo_train.py keeps it (.cache/torch_extensions).
-    Its first use builds it (about a minute, and a C++ compiler of ~2.7 GB that a fresh checkout's
-    first measured run would otherwise count as its own memory). Nothing to build on CUDA."""
-    code = ("import deepspeed; from deepspeed.comm.torch import build_shm_op; "
-            "print('DeepSpeed comm op:', 'ready' if build_shm_op() else 'none for this accelerator')")
-    extensions = os.path.join(ROOT, ".cache", "torch_extensions")
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={"TORCH_EXTENSIONS_DIR": extensions, **env},
-                   stdout=sys.stderr, check=True)
-
-
-def run(trainer, steps, skip, env, extra, run_name=None):
-    port = free_port()
-    server = start_ref_server(port, env)
-    run_name = run_name or f"bench_{trainer}"
-    try:
-        t0 = time.time()
-        proc = subprocess.Popen([sys.executable, f"{trainer}.py", "--ref_url", f"http://127.0.0.1:{port}",
-                                 "--run_name", run_name, "--overwrite", "--steps", str(steps),
-                                 "--save_every", str(steps), *TINY_WORLD_FLAGS, *extra],
-                                cwd=ROOT, env=env)
-        peak, peak_with_ref = wait_peak_rss(proc, also=server)
-        if proc.returncode != 0:
-            raise SystemExit(f"{trainer}.py failed with exit code {proc.returncode}")
-        print(f"{trainer}: {steps} steps in {time.time() - t0:.0f} s with start-up", file=sys.stderr)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-    rows, _ = read_metrics(os.path.join(ROOT, "runs", run_name, "metrics.jsonl"))  # steps, not the doctor's warnings
-    timed = rows[skip:]
-    config = json.load(open(os.path.join(ROOT, "runs", run_name, "config.json")))
-    completions = len(timed) * config["batch_prompts"] * config["num_generations"]
-    after = evaluate(os.path.join("runs", run_name, f"step_{steps}"), env)
-    return {"trainer": trainer,
-            "completions_per_s": round(completions / sum(r["step_s"] for r in timed), 2),
-            "s_per_step": round(statistics.median(r["step_s"] for r in timed), 3),
-            "gen_s_median": round(statistics.median(r["gen_s"] for r in timed), 3),
-            "compute_s_median": round(statistics.median(r["compute_s"] for r in timed), 3),
-            "peak_rss_mb": round(peak / 2**20), "peak_rss_with_ref_mb": round(peak_with_ref / 2**20),
-            "completion_len_mean": round(statistics.mean(r["completion_len"] for r in timed), 1),
-            "accuracy_after": after["accuracy"]}
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+from bench.harness import build_deepspeed_ops, run  # noqa: E402
 
 
 def main():

@@ -3,8 +3,9 @@
     python bench/weight_sync.py [--repeats 3] [--models tiny,qwen2.5-0.5b-config]
 
 The worker is a spawned process holding a vLLM engine, as in grpo_vllm_one.py.
-  in memory: weight_sync.WeightSender (one copy into a shared-memory buffer, a message on a
-             queue) and the worker's receive_weights (reload_weights + reset_prefix_cache);
+  in memory: WeightSender (simple_grpo/generation/weight_sync.py: one copy into a shared-memory
+             buffer, a message on a queue) and the worker's receive_weights (reload_weights +
+             reset_prefix_cache);
   disk:      save_pretrained to a directory, then the worker's reload_weights(weights_path=...).
 Both times run from the trainer starting the sync to the worker answering that it is done.
 Models: the tiny default, and a random-weight model with Qwen2.5-0.5B's config (fp32, built
@@ -25,9 +26,9 @@ import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from grpo_vllm_one import Config  # noqa: E402
-from vllm_engine import start_vllm  # noqa: E402
-from weight_sync import WeightSender, receive_weights  # noqa: E402
+from bench.harness import SamplerConfig  # noqa: E402
+from simple_grpo.generation.vllm_sampler import start_vllm  # noqa: E402
+from simple_grpo.generation.weight_sync import WeightSender, receive_weights  # noqa: E402
 
 # Qwen/Qwen2.5-0.5B's config.json, the fields that set the shapes
 QWEN05 = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -37,7 +38,7 @@ QWEN05 = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num
 
 def worker(model_dir, requests, loaded, replies):
     """A vLLM engine that loads weights on request and answers when done."""
-    llm = start_vllm(Config(model=model_dir, max_model_len=256))
+    llm = start_vllm(SamplerConfig(model=model_dir, max_model_len=256))
     replies.put("ready")
     shared = {}
     while (message := requests.get()) != "stop":

@@ -4,11 +4,12 @@
 #   bash recipes/gsm8k.sh                                   # Qwen2.5-0.5B on 3 GPUs (ref, vLLM, trainer)
 #   MODEL=Qwen/Qwen2.5-3B LR=1e-6 bash recipes/gsm8k.sh
 #   MODEL=models/tiny-math DATASET=data/toy_math/train.jsonl EVAL_DATASET=data/toy_math/test.jsonl \
-#       REF_DEVICE=cpu STEPS=2 bash recipes/gsm8k.sh      # the same commands on CPU (tests/test_recipe.py)
+#       REF_DEVICE=cpu STEPS=2 bash recipes/gsm8k.sh      # the same commands on CPU (a test does this:
+#   tests/test_trainer_options.py::test_the_gsm8k_recipe_runs_two_steps_on_cpu_with_the_tiny_model)
 #
 # GPU 0: the reference server (python ref_server.py); GPU 1: vLLM, which generates while
 # GPU 2 trains with DeepSpeed ZeRO-2 (deepspeed grpo_vllm_one.py); then evaluate.py on the test split.
-# Every variable below can be set from the environment; the README's "GSM8K recipe" explains them.
+# Every variable below can be set from the environment; docs/guide.md, "The GSM8K recipe (GPU)", explains them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

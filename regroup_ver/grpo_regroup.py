@@ -7,21 +7,13 @@ The vLLM worker uploads every group, all-alike ones too, and asks such a questio
 its next batch when its answers differ among themselves; the trainer takes batch_prompts served
 groups per step, and reports its policy version so the server serves no answer more than its
 --max_policy_lag older.
+
+This file runs grpo_vllm_one.py in its own process (exec: same process id, environment and
+launcher), with --regroup and runs/regroup/ as defaults that flags given here override.
 """
 import os
 import sys
-from dataclasses import dataclass
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the main code, one level up
-from flags import flag, parse_flags  # noqa: E402
-from grpo_vllm_one import Config, main  # noqa: E402
-
-
-@dataclass
-class RegroupConfig(Config):
-    run_name: str = flag("regroup", "outputs go to runs/RUN_NAME/")
-    regroup: bool = flag(True, "upload all groups; the regrouping server serves mixed-reward ones")
-
 
 if __name__ == "__main__":
-    main(parse_flags(RegroupConfig, __doc__))
+    trainer = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "grpo_vllm_one.py")
+    os.execv(sys.executable, [sys.executable, trainer, "--regroup", "--run_name", "regroup", *sys.argv[1:]])

@@ -13,7 +13,8 @@ trainer's ratio exp(logp - old_logp) corrects and clips older answers like any o
 
 The price is staleness: a pooled answer may wait for its question to be asked again. Answers
 older than --max_policy_lag versions are evicted and never served; pools are capped in size
-and in number, so memory stays bounded. Uploads, checks, tokens and /health are ref_server.py's.
+and in number, so memory stays bounded. Uploads, checks, tokens and /health are ref_server.py's
+(simple_grpo/reference/).
 """
 import os
 import queue
@@ -28,10 +29,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the main code, one level up
 from grpo_math import completion_mask, group_advantages  # noqa: E402
-from flags import flag, parse_flags  # noqa: E402
-from protocol import encode  # noqa: E402
-from ref_server import (ServerConfig, add_ref_logps, add_token_check_and_health, answer, load_model,  # noqa: E402
-                        read_rollout, serve, wait_seconds)
+from simple_grpo.flags import flag, parse_flags  # noqa: E402
+from simple_grpo.protocol import encode  # noqa: E402
+from simple_grpo.reference.config import ServerConfig  # noqa: E402
+from simple_grpo.reference.http_server import (add_token_check_and_health, answer, read_rollout, serve,  # noqa: E402
+                                               wait_seconds)
+from simple_grpo.reference.model import add_ref_logps, load_model  # noqa: E402
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """A reward no completion ever earns: the no-signal tests' --reward_file (every group scores all 0)."""
-from rewards import reward_function
+from simple_grpo.task.rewards import reward_function
 
 
 @reward_function("never")

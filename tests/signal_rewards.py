@@ -6,7 +6,7 @@ anywhere in the completion, and how short it is.
 """
 import re
 
-from rewards import reward_function
+from simple_grpo.task.rewards import reward_function
 
 
 @reward_function("mentions_answer")

@@ -1,4 +1,5 @@
-"""data.py: the same problems from JSONL, JSON, Parquet, CSV and the hub; errors that name file and row."""
+"""simple_grpo/task/problems.py: the same problems from JSONL, JSON, Parquet, CSV and the hub; errors
+that name file and row."""
 import csv
 import json
 import os
@@ -6,7 +7,7 @@ import time
 
 import pytest
 
-from data import SYSTEM_PROMPT, load_jsonl, load_problems, make_prompt
+from simple_grpo.task.problems import SYSTEM_PROMPT, load_jsonl, load_problems, make_prompt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = [  # custom field names: the loader maps "problem"/"solution" onto "question"/"answer"

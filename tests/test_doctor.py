@@ -1,6 +1,6 @@
-"""The run doctor (doctor.py): each rule fires on a run built to trigger it, once, names the cause,
-and --stop_on turns it into a stop; a healthy run (the tiny demo's own metrics) stays quiet. The
-no-signal case end to end: a reward never earned, the message, the exit."""
+"""The run doctor (simple_grpo/run/doctor.py): each rule fires on a run built to trigger it, once,
+names the cause, and --stop_on turns it into a stop; a healthy run (the tiny demo's own metrics)
+stays quiet. The no-signal case end to end: a reward never earned, the message, the exit."""
 import json
 import os
 import subprocess
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from doctor import RULES, RunDoctor, batch_summary, parse_stop_on
+from simple_grpo.run.doctor import RULES, RunDoctor, batch_summary, parse_stop_on
 from grpo_train import Config
 from tests.test_ref_server import server  # noqa: F401 - the live server fixture
 

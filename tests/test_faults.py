@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from tests.test_ref_server import server  # noqa: F401 - the live server fixture
-from tools.demo import ROOT, free_port, start_ref_server
+from simple_grpo.run.launch import ROOT, free_port, start_ref_server
 
 TRAIN = [sys.executable, "grpo_train.py", "--batch_prompts", "4", "--save_every", "2"]
 
@@ -125,8 +125,9 @@ def test_resume_without_a_checkpoint_says_so(server, tmp_path):  # noqa: F811
 
 NONFINITE = r"""
 import json, sys, torch
-from engine import make_engine
-from grpo_train import Config, grpo_update
+from simple_grpo.trainer.deepspeed_engine import make_engine
+from grpo_train import Config
+from simple_grpo.trainer.update import grpo_update
 cfg = Config(zero_stage=int(sys.argv[1]), threads=1)
 engine, tok = make_engine(cfg)
 g = torch.Generator().manual_seed(0)
@@ -197,3 +198,17 @@ def test_sigterm_to_make_demo_stops_server_trainer_and_worker():
         assert not alive, [(p.pid, p.name()) for p in alive]
     finally:
         demo.kill()
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path, capsys):
+    """torch waits forever on the `lock` file of an ops build that was killed: setup removes it once it is
+    older than any build, and leaves a fresh one (a build running now in another process) alone."""
+    from simple_grpo.trainer.deepspeed_engine import clear_stale_build_locks
+    stale, fresh = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "other_op" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir()
+        lock.touch()
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    clear_stale_build_locks(str(tmp_path))
+    assert not stale.exists() and fresh.exists()
+    assert "removing" in capsys.readouterr().out

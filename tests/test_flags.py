@@ -1,6 +1,5 @@
-"""Every flag of the trainers and the ref server has a one-line help under a header (flags.py), and the
-code is layered: modules sit below the scripts that use them, never the reverse, and import no cycle."""
-import ast
+"""Every flag of the trainers and the ref server has a one-line help under a header (simple_grpo/flags.py).
+(The layering of modules and scripts: tests/test_layering.py.)"""
 import importlib
 import os
 import subprocess
@@ -8,15 +7,15 @@ import sys
 
 import pytest
 
-from flags import flag_parser
+from simple_grpo.flags import flag_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = {"grpo_train", "grpo_vllm_one", "ref_server", "evaluate"}  # run by users; tools/, bench/ and tests/ too
 
 
 # every command line built from a config dataclass: (module, the dataclass)
 COMMAND_LINES = [("grpo_train", "Config"), ("grpo_vllm_one", "Config"), ("ref_server", "ServerConfig"),
-                 ("evaluate", "EvalConfig"), ("memory_plan", "PlanArgs"), ("report", "ViewConfig"),
+                 ("evaluate", "EvalConfig"), ("simple_grpo.run.report", "ViewConfig"),
+                 ("regroup_ver.ref_server_regroup", "RegroupConfig"),
                  ("tools.explain_step", "ExplainConfig"), ("tools.probe", "ProbeConfig"),
                  ("tools.build_tiny_model", "BuildConfig"), ("tools.fetch_smollm2", "FetchConfig")]
 
@@ -43,28 +42,3 @@ def test_help_groups_the_trainers_flags_under_headers():
     assert out.stdout.index("\n  --lr LR") > out.stdout.index("\noptimisation:")
     assert "Adam's learning rate" in out.stdout and "(default: 1e-06)" in out.stdout
 
-
-def imports_of(path):
-    """The project modules a file imports (top-level names)."""
-    tree = ast.parse(open(path).read())
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
-    return names
-
-
-def test_modules_import_no_script_and_no_cycle():
-    modules = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
-    graph = {m: imports_of(os.path.join(ROOT, m + ".py")) & (modules | {"tools"}) for m in modules}
-    below = {m: deps for m, deps in graph.items() if m not in SCRIPTS}
-    assert {m: deps & (SCRIPTS | {"tools"}) for m, deps in below.items() if deps & (SCRIPTS | {"tools"})} == {}
-
-    def visit(m, path):
-        assert m not in path, f"import cycle: {' -> '.join(path + [m])}"
-        for d in graph.get(m, ()):
-            visit(d, path + [m])
-    for m in graph:
-        visit(m, [])

@@ -16,14 +16,14 @@ import torch.multiprocessing as mp
 
 from grpo_math import completion_mask
 from grpo_vllm_one import Config
-from task import load_data
-from vllm_engine import sample, start_vllm
-from weight_sync import WeightSender, receive_weights
-from worker_process import start_workers, stop_workers
+from simple_grpo.task.config import load_data
+from simple_grpo.generation.vllm_sampler import sample, start_vllm
+from simple_grpo.generation.weight_sync import WeightSender, receive_weights
+from simple_grpo.generation.workers import start_workers, stop_workers
 from tests.test_faults import fresh, metrics, wait_for
 from tests.test_grpo_vllm_one import CFG, mean_abs_diff, policy, prompts, trainer_logps  # noqa: F401 - fixture
 from tests.test_ref_server import server  # noqa: F401 - the live server fixture
-from tools.demo import ROOT
+from simple_grpo.run.launch import ROOT
 
 TWO = ["--gen_workers", "2", "--batch_prompts", "4", "--log_completions_every", "1"]
 

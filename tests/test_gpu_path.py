@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from data import chat_prompt, stop_token_ids
-from devices import check_shared_memory, generation_gpus, visible_gpus
+from simple_grpo.task.problems import chat_prompt, stop_token_ids
+from simple_grpo.devices import check_shared_memory, generation_gpus, visible_gpus
 from grpo_math import completion_mask
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +29,7 @@ def test_a_group_that_refuses_cpu_tensors_gets_its_collective_tensor_on_its_own_
     # "cuda:gloo" is a real process group that, like NCCL, has no backend for CPU tensors
     out = run_python("""
         import torch, torch.distributed as dist
-        from devices import collective_device
+        from simple_grpo.devices import collective_device
         dist.init_process_group("cuda:gloo", rank=0, world_size=1)
         try:
             dist.all_reduce(torch.tensor([1.0]))  # what max_over_ranks did: it stopped every multi-GPU run
@@ -48,13 +48,13 @@ sys.path.insert(0, sys.argv[1])
 
 def rank(r, port, results):
     import torch.distributed as dist
-    from devices import max_over_ranks
+    from simple_grpo.devices import max_over_ranks
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2)
     results[r] = max_over_ranks([3.0, 7.0][r])
     dist.destroy_process_group()
 
 if __name__ == "__main__":
-    from tools.demo import free_port
+    from simple_grpo.run.launch import free_port
     results = mp.Manager().dict()
     mp.spawn(rank, args=(free_port(), results), nprocs=2)
     print(sorted(results.items()))

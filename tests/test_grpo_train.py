@@ -11,9 +11,10 @@ from tests.test_ref_server import server  # noqa: F401 - the live server fixture
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_importing_grpo_train_starts_nothing_and_exposes_the_loss():
-    out = subprocess.run([sys.executable, "-c", "import grpo_train, grpo_math; "
-                          "assert grpo_train.grpo_loss is grpo_math.grpo_loss; print('ok')"],
+def test_importing_grpo_train_starts_nothing_and_its_update_takes_the_loss_from_grpo_math():
+    out = subprocess.run([sys.executable, "-c", "import grpo_train, grpo_math, simple_grpo.trainer.update as update; "
+                          "assert grpo_train.grpo_update is update.grpo_update; "
+                          "assert update.grpo_loss is grpo_math.grpo_loss; print('ok')"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
 

@@ -12,11 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from data import chat_prompt, load_jsonl
+from simple_grpo.task.problems import chat_prompt, load_jsonl
 from grpo_math import completion_mask, sequence_logps
-from grpo_vllm_one import Config, sampling_version
-from vllm_engine import sample, start_vllm
-from weight_sync import WeightSender, load_weights, receive_weights
+from grpo_vllm_one import Config
+from simple_grpo.generation.schedule import sampling_version
+from simple_grpo.generation.vllm_sampler import sample, start_vllm
+from simple_grpo.generation.weight_sync import WeightSender, load_weights, receive_weights
 from tests.test_ref_server import server  # noqa: F401 - the live server fixture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

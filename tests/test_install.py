@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from tools.demo import ROOT
+from simple_grpo.run.launch import ROOT
 
 
 @pytest.mark.slow

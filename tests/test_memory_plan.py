@@ -1,15 +1,15 @@
-"""memory_plan.py: parameter counts of the Qwen2.5 configs, model-state bytes equal to DeepSpeed's own
+"""The memory plan (simple_grpo/trainer/memory_plan.py): parameter counts of the Qwen2.5 configs, model-state bytes equal to DeepSpeed's own
 estimators, the seed's 7B configuration planned as fitting, the command line, and clear errors.
 Fast: the models are built on the meta device from configs/, no weight is read."""
 import json
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 
-from memory_plan import GB, count_parameters, format_plan, plan_json, plan_memory
+from grpo_vllm_one import Config
+from simple_grpo.trainer.memory_plan import GB, count_parameters, format_plan, plan_json, plan_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN = {size: os.path.join(ROOT, "configs", f"qwen2.5-{size}") for size in ("0.5b", "3b", "7b")}
@@ -22,7 +22,8 @@ SEED = dict(model=QWEN["7b"], dtype="bfloat16", zero_stage=2, offload_optimizer=
 
 
 def plan(world_size=1, **options):
-    return plan_memory(SimpleNamespace(**{**SEED, **options}), world_size=world_size)
+    """The plan of grpo_vllm_one's own config: the SEED's values and options over its defaults."""
+    return plan_memory(Config(**{**SEED, **options}), world_size=world_size)
 
 
 def model_state_bytes(p):
@@ -99,15 +100,17 @@ def test_a_small_gen_memory_is_named_with_the_share_that_would_do():
     assert f"--gen_memory {p['least_gen_memory']}" in p["reasons"][1] and p["least_gen_memory"] <= 0.3
 
 
-def test_the_command_line_ends_with_the_json_summary():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "memory_plan.py"), "--model", QWEN["7b"],
+def test_the_plan_for_several_ranks_takes_world_size_and_ends_with_the_json_summary():
+    out = subprocess.run([sys.executable, "grpo_vllm_one.py", "--plan", "--model", QWEN["7b"],
                           "--dtype", "bfloat16", "--zero_stage", "2", "--offload_optimizer", "--gradient_checkpointing",
                           "--plan_gpu_gb", "80", "--max_new_tokens", "700", "--max_model_len", "1024",
-                          "--micro_batch_groups", "1"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+                          "--micro_batch_groups", "1"], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "WORLD_SIZE": "8"})
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(summary) == {"fits", "trainer_gpu_gb", "generation_gpu_gb", "host_gb"}
-    assert summary["fits"] is True and "weights" in out.stdout
+    assert summary["fits"] is True and "8 training rank(s)" in out.stdout
+    assert summary["host_gb"] == round(plan(world_size=8)["host_gb"], 1)
 
 
 @pytest.mark.parametrize("option, value, named", [("dtype", "fp8", "'fp8'"), ("zero_stage", 5, "zero_stage 5"),

@@ -1,7 +1,7 @@
 """metrics.jsonl keeps every figure's significant digits: small learning rates and KLs are not logged as 0."""
 import json
 
-from metrics import log_step
+from simple_grpo.run.metrics import log_step
 
 
 def test_small_figures_keep_their_significant_digits(tmp_path):

@@ -19,10 +19,12 @@ import json, os, sys
 import torch
 import torch.distributed as dist
 sys.path.insert(0, os.getcwd())
-from engine import make_engine
-from grpo_train import Config, check_options, grpo_update
+from simple_grpo.trainer.deepspeed_engine import make_engine
+from grpo_train import Config
+from simple_grpo.trainer.config import check_options
+from simple_grpo.trainer.update import grpo_update
 from grpo_math import sequence_logps
-from checkpoint import save_checkpoint
+from simple_grpo.run.checkpoints import save_checkpoint
 
 args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the deepspeed launcher adds it
 cfg = Config(zero_stage=int(args[0]), threads=1, lr=1e-4)

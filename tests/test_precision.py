@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ds_config import deepspeed_config
+from simple_grpo.trainer.deepspeed_config import deepspeed_config
 from grpo_math import grpo_loss, sequence_logps, truncated_is_weight
 from grpo_train import Config
 

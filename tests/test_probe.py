@@ -15,7 +15,7 @@ from tests.test_smollm2 import save_figures, smollm2  # noqa: F401 - the convert
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEYS = {"n", "G", "pass_rate_hist", "format_rate", "truncated_frac", "zero_var_frac", "mean_len", "verdict"}
 NEVER_REWARD = '''
-from rewards import reward_function
+from simple_grpo.task.rewards import reward_function
 
 
 @reward_function("never")

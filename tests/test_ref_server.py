@@ -6,8 +6,8 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM
 
-from protocol import decode, encode
-from tools.demo import free_port, start_ref_server
+from simple_grpo.protocol import decode, encode
+from simple_grpo.run.launch import free_port, start_ref_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "models", "tiny-math")

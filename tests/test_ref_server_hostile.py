@@ -25,9 +25,9 @@ import requests
 import torch
 from safetensors.torch import save
 
-from protocol import decode, encode, post_groups
+from simple_grpo.protocol import decode, encode, post_groups
 from tests.test_regroup import upload as regroup_group
-from tools.demo import MODEL, ROOT, free_port, start_ref_server
+from simple_grpo.run.launch import MODEL, ROOT, free_port, start_ref_server
 
 VOCAB, MAX_LEN = 561, 512  # the tiny model's
 SENTINEL = "/tmp/simple_grpo_pickle_ran"

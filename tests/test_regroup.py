@@ -11,10 +11,10 @@ import requests
 import torch
 
 from grpo_math import group_advantages
-from protocol import decode, encode
+from simple_grpo.protocol import decode, encode
 from regroup_ver.ref_server_regroup import Pools, RegroupConfig
 from tests.test_faults import fresh
-from tools.demo import ROOT, free_port, start_ref_server
+from simple_grpo.run.launch import ROOT, free_port, start_ref_server
 
 EOS, PAD = 1, 0
 

@@ -1,7 +1,7 @@
-"""rewards.py: correctness by math-verify against the `####` answer, and the format check."""
+"""simple_grpo/task/rewards.py: correctness by math-verify against the `####` answer, and the format check."""
 import pytest
 
-from rewards import correctness_reward, extract_answer, format_reward, reference_answer, score
+from simple_grpo.task.rewards import correctness_reward, extract_answer, format_reward, reference_answer, score
 
 GOOD = "<think>12+7=19\n19-5=14</think><answer>14</answer>"
 
@@ -79,7 +79,7 @@ def test_rewards_work_off_the_main_thread():
 
 
 # ---------------------------------------------------------------- named rewards, reward files
-from rewards import REWARD_FUNCS, load_reward_file, parse_reward_spec, reward_function  # noqa: E402
+from simple_grpo.task.rewards import REWARD_FUNCS, load_reward_file, parse_reward_spec, reward_function  # noqa: E402
 
 
 @pytest.fixture
@@ -131,7 +131,7 @@ def test_parse_reward_spec_errors_say_what_is_wrong(names, weights, message):
 
 def test_a_reward_file_adds_rewards_that_score_weights(registry, tmp_path):
     path = tmp_path / "my_rewards.py"
-    path.write_text("from rewards import reward_function\n\n"
+    path.write_text("from simple_grpo.task.rewards import reward_function\n\n"
                     "@reward_function('length_penalty')\n"
                     "def length_penalty(completion, answer):\n"
                     "    return -len(completion) / 1000\n")
@@ -156,6 +156,14 @@ def test_a_broken_reward_file_is_an_error_naming_it(registry, tmp_path, source, 
     path = tmp_path / "broken.py"
     path.write_text(source)
     with pytest.raises(error, match=message):
+        load_reward_file(str(path))
+
+
+def test_a_reward_file_with_the_old_import_is_told_the_new_one(registry, tmp_path):
+    path = tmp_path / "old_rewards.py"
+    path.write_text("from rewards import reward_function\n")
+    with pytest.raises(ImportError, match=r"old_rewards\.py: `from rewards import reward_function` is now "
+                                          r"`from simple_grpo\.task\.rewards import reward_function`"):
         load_reward_file(str(path))
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from checkpoint import check_run_dir
+from simple_grpo.run.checkpoints import check_run_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "models", "tiny-math")

@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from data import chat_prompt, load_jsonl, stop_token_ids
+from simple_grpo.task.problems import chat_prompt, load_jsonl, stop_token_ids
 from grpo_math import completion_mask
 from tools.fetch_smollm2 import is_complete, model_dir
 
@@ -96,7 +96,7 @@ def logp_differences(model_path, dtype):
     transformers model in the same dtype) over the completion tokens. Starts a vLLM engine: run it in a
     process of its own."""
     from grpo_vllm_one import Config
-    from vllm_engine import sample, start_vllm
+    from simple_grpo.generation.vllm_sampler import sample, start_vllm
     from tests.test_grpo_vllm_one import CFG as TINY_CFG, trainer_logps
     cfg = Config(model=model_path, num_generations=4, max_new_tokens=24, temperature=0.7, max_model_len=512)
     assert cfg.temperature == TINY_CFG.temperature  # trainer_logps divides the logits by that one

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from data import SYSTEM_PROMPT, chat_prompt
+from simple_grpo.task.problems import SYSTEM_PROMPT, chat_prompt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "models", "tiny-math")

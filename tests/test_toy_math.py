@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-from data import load_jsonl
-from rewards import reference_answer
+from simple_grpo.task.problems import load_jsonl
+from simple_grpo.task.rewards import reference_answer
 from tools.toy_math import make_problem, make_splits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

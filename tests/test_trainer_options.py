@@ -9,17 +9,19 @@ import sys
 import pytest
 import torch
 
-import rewards
-from data import chat_prompt, load_jsonl
+import simple_grpo.task.rewards as rewards
+from simple_grpo.task.problems import chat_prompt, load_jsonl
 from grpo_math import completion_mask, sequence_logps
-from engine import make_engine
-from grpo_train import Config, check_options, grpo_update, main
+from simple_grpo.trainer.deepspeed_engine import make_engine
+from grpo_train import Config, main
+from simple_grpo.trainer.config import check_options
+from simple_grpo.trainer.update import grpo_update
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "models", "tiny-math")
 PROBLEMS = load_jsonl(os.path.join(ROOT, "data", "toy_math", "train.jsonl"))[:40]
 REWARD_FILE = '''
-from rewards import reward_function
+from simple_grpo.task.rewards import reward_function
 
 @reward_function("brevity")
 def brevity(completion, answer):

@@ -19,7 +19,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from completions_log import log_completions, read_completions
+from simple_grpo.run.completions_log import log_completions, read_completions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE_RUN = os.path.join(ROOT, "tests", "data", "example_run")

@@ -27,10 +27,10 @@ from tqdm import tqdm
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-from data import SYSTEM_PROMPT, chat_prompt, load_jsonl  # noqa: E402
-from evaluate import hf_generate, summarize  # noqa: E402
-from flags import flag, parse_flags  # noqa: E402
-from rewards import reference_answer  # noqa: E402
+from simple_grpo.task.problems import SYSTEM_PROMPT, chat_prompt, load_jsonl  # noqa: E402
+from simple_grpo.evaluation import hf_generate, summarize  # noqa: E402
+from simple_grpo.flags import flag, parse_flags  # noqa: E402
+from simple_grpo.task.rewards import reference_answer  # noqa: E402
 
 TAGS = ["<think>", "</think>", "<answer>", "</answer>"]
 # Qwen's ChatML layout; a system message is used only when given.

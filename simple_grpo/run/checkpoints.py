@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from devices import max_over_ranks
-from disk import full_disk_exit, is_disk_full, tree_bytes
+from simple_grpo.devices import max_over_ranks
+from simple_grpo.run.disk_guard import full_disk_exit, is_disk_full, tree_bytes
 
 STATE_DIR = "deepspeed"
 
@@ -52,7 +52,7 @@ def barrier():
 def save_checkpoint(engine, tokenizer, run_dir, step, state):
     """runs/NAME/step_N/: the HF model and tokenizer, and in deepspeed/ the engine's full state
     with `state` (the trainer's own: data position ...) and the RNG states. Every rank calls it.
-    A save the disk has no room for ends the run (disk.py) with the last checkpoint whole."""
+    A save the disk has no room for ends the run (disk_guard.py) with the last checkpoint whole."""
     final = os.path.join(run_dir, f"step_{step}")
     tmp, rank0 = final + ".tmp", engine.global_rank == 0
     if rank0:

@@ -1,7 +1,7 @@
 """What the generation worker is doing, as the trainer sees it: no silent wait, and none without a deadline.
 
 grpo_vllm_one's worker sends a status message for every batch it samples, trained or dropped
-(("ready", seconds) once vLLM is up, then ("batch", doctor.batch_summary + counts)). While the
+(("ready", seconds) once vLLM is up, then ("batch", run/doctor.py's batch_summary + counts)). While the
 trainer waits for its next batch, WorkerProgress turns them into the progress bar's text (what
 the wait is for, batches made and dropped, the last rewards), hands each batch to the run doctor
 (a model that never earns its reward is named within --doctor_window batches), and ends the wait

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from devices import generation_gpus, physical_gpus, visible_gpus, vllm_memory_share
+from simple_grpo.devices import generation_gpus, physical_gpus, visible_gpus, vllm_memory_share
 
 
 @dataclass

@@ -1,10 +1,12 @@
 """The policy as a DeepSpeed engine: one process or many (deepspeed/torchrun launchers), any ZeRO stage."""
+import glob
 import os
 import random
+import time
 
 import torch
 
-from ds_config import deepspeed_config
+from simple_grpo.trainer.deepspeed_config import deepspeed_config
 from triton_loss import choose_loss_impl
 
 
@@ -16,8 +18,20 @@ def setup_distributed():
                        "MASTER_PORT": "0"}.items():
         os.environ.setdefault(key, value)
     # keep DeepSpeed's compiled ops between runs (the first build takes about a minute)
-    root = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(root, ".cache", "torch_extensions"))
+    clear_stale_build_locks(os.environ["TORCH_EXTENSIONS_DIR"])
+
+
+def clear_stale_build_locks(extensions_dir, max_age_s=900.0):
+    """A build of DeepSpeed's ops that was killed (Ctrl-C, a lost machine) leaves its `lock` file behind,
+    and torch then waits for it to go away, silently and forever. A build takes about a minute here:
+    a lock older than max_age_s belongs to a build that is gone, and is removed, saying so."""
+    for lock in glob.glob(os.path.join(extensions_dir, "*", "lock")):
+        age = time.time() - os.path.getmtime(lock)
+        if age > max_age_s:
+            print(f"removing {lock}: a build of DeepSpeed's ops left it {age / 60:.0f} min ago and never finished")
+            os.remove(lock)
 
 
 def make_engine(cfg):

@@ -10,7 +10,7 @@ import csv
 import json
 import os
 
-from rewards import reference_answer
+from simple_grpo.task.rewards import reference_answer
 
 # The system prompt of the R1-Zero-style GSM8K recipe (as in lsdefine/simple_GRPO).
 SYSTEM_PROMPT = ("A conversation between User and Assistant. The user asks a question, and the "

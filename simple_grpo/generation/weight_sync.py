@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from devices import check_shared_memory
+from simple_grpo.devices import check_shared_memory
 
 
 def weight_layout(state_dict):

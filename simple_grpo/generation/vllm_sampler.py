@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from devices import vllm_memory_share
+from simple_grpo.devices import vllm_memory_share
 
 
 CPU_BLOCK_SIZE = 32  # tokens per KV-cache block on a CPU (vLLM's CPU default: 128)

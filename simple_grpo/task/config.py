@@ -1,11 +1,12 @@
 """What a run learns from, the flags every script shares: the model, the problems, the reward, and
-how completions are sampled. grpo_train.Config, tools/probe.py and tools/explain_step.py extend
-TaskConfig; evaluate.py extends DataConfig (the model and the problems)."""
+how completions are sampled. The trainers' TrainerConfig (simple_grpo/trainer/config.py),
+tools/probe.py and tools/explain_step.py extend TaskConfig; evaluate.py extends DataConfig (the
+model and the problems)."""
 from dataclasses import dataclass
 
-from data import load_problems
-from flags import flag
-from rewards import load_reward_file, parse_reward_spec
+from simple_grpo.task.problems import load_problems
+from simple_grpo.flags import flag
+from simple_grpo.task.rewards import load_reward_file, parse_reward_spec
 
 
 @dataclass
@@ -23,7 +24,8 @@ class DataConfig:
 @dataclass
 class TaskConfig(DataConfig):
     """... and the reward and the sampling: what the trainers and the tools that sample take."""
-    reward_funcs: str = flag("correctness,format", "reward functions (rewards.REWARD_FUNCS); reward = weighted sum")
+    reward_funcs: str = flag("correctness,format",
+                             "reward functions (REWARD_FUNCS in simple_grpo/task/rewards.py); reward = weighted sum")
     reward_weights: str = flag("1.0,0.5", "one weight per reward function")
     reward_file: str = flag("", "a .py file whose @reward_function-decorated functions add rewards")
     num_generations: int = flag(8, "completions per problem: the group size G")
@@ -52,6 +54,6 @@ def check_task(cfg):
 
 
 def load_data(cfg):
-    """The problems cfg names: [{"question", "answer"}, ...] (data.load_problems)."""
+    """The problems cfg names: [{"question", "answer"}, ...] (problems.load_problems)."""
     return load_problems(cfg.dataset, split=cfg.split, config=cfg.dataset_config or None,
                          question_field=cfg.question_field, answer_field=cfg.answer_field)

@@ -1,4 +1,4 @@
-"""A full disk, told apart from other write errors and named in plain words (checkpoint.py, the logs).
+"""A full disk, told apart from other write errors and named in plain words (checkpoints.py, the logs).
 
 torch.save on a full disk raises RuntimeError("... unexpected pos ...") with no errno, so a failed
 write counts as "disk full" when the error says ENOSPC/EDQUOT or the disk has less room left than

@@ -14,7 +14,7 @@ thing everywhere. A completion is the model's decoded text after the prompt:
 Every reward function is `fn(completion: str, answer: str) -> float`, `answer` being the
 reference answer ("1000" for "... #### 1,000"). Add one in a file of your own:
 
-    from rewards import reward_function
+    from simple_grpo.task.rewards import reward_function
 
     @reward_function("length_penalty")
     def length_penalty(completion, answer):
@@ -96,12 +96,17 @@ def load_reward_file(path) -> list:
     before = dict(REWARD_FUNCS)
     try:
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    except ModuleNotFoundError as e:
+        if e.name == "rewards":  # a reward file written before rewards.py moved into the package
+            raise ImportError(f"reward file {path}: `from rewards import reward_function` is now "
+                              "`from simple_grpo.task.rewards import reward_function`") from None
+        raise ImportError(f"reward file {path} failed to load: {type(e).__name__}: {e}") from e
     except Exception as e:
         raise ImportError(f"reward file {path} failed to load: {type(e).__name__}: {e}") from e
     added = [name for name, fn in REWARD_FUNCS.items() if before.get(name) is not fn]
     if not added:
         raise ValueError(f"reward file {path} registers no reward functions: decorate them with "
-                         "@reward_function (from rewards import reward_function)")
+                         "@reward_function (from simple_grpo.task.rewards import reward_function)")
     return added
 
 

@@ -22,9 +22,9 @@ import os
 import re
 from dataclasses import dataclass
 
-from completions_log import read_completions
-from flags import flag
-from metrics import CURVES, curves_png, is_number, read_metrics
+from simple_grpo.run.completions_log import read_completions
+from simple_grpo.flags import flag
+from simple_grpo.run.metrics import CURVES, curves_png, is_number, read_metrics
 
 # the curves, in this order, whichever of them the run logged
 CURVE_KEYS = ["reward_mean", "accuracy", "format_rate", "kl", "completion_len", "zero_var_frac", "entropy",

@@ -1,12 +1,13 @@
-"""memory_plan.py: what a GRPO run will need on its GPUs and host, from the model's config alone.
+"""What a GRPO run will need on its GPUs and host, from the model's config alone: the trainers' --plan.
 
-    python memory_plan.py --model configs/qwen2.5-7b --dtype bfloat16 --zero_stage 2 --offload_optimizer \\
-        --gradient_checkpointing --plan_gpu_gb 80 --max_new_tokens 700 --max_model_len 1024
+    python grpo_vllm_one.py --plan --model configs/qwen2.5-7b --dtype bfloat16 --zero_stage 2 \\
+        --offload_optimizer --gradient_checkpointing --plan_gpu_gb 80 --max_new_tokens 700 --max_model_len 1024
+    WORLD_SIZE=8 python grpo_vllm_one.py --plan ...      # the plan for 8 training ranks on one node
 
-prints a table and one JSON line; the trainers call plan_memory(cfg) before loading any weight.
-GB are 10^9 bytes. Bytes per parameter of the model states (P parameters, N training ranks, d = 2 for
-bfloat16 or 4 for float32, L = the largest module's parameters) as DeepSpeed 0.19.8 holds them with
-AdamW (runtime/zero/stage_1_and_2.py, stage3.py, fp16/unfused_optimizer.py, engine.py):
+prints a table and one JSON line; the trainers call show_plan(cfg) before loading any weight, and the plan
+reads their own config (every flag and default is the trainer's). GB are 10^9 bytes. Bytes per
+parameter of the model states (P parameters, N training ranks, d = 2 for bfloat16 or 4 for float32,
+L = the largest module's parameters) as DeepSpeed 0.19.8 holds them with AdamW (runtime/zero/stage_1_and_2.py, stage3.py, fp16/unfused_optimizer.py, engine.py):
 
                      weights      gradients      optimizer: fp32 master + Adam m, v
   ZeRO-0 float32     4            4              0 + 8        (torch AdamW updates the weights themselves)
@@ -28,10 +29,8 @@ import functools
 import json
 import math
 import os
-from dataclasses import dataclass
 
-from devices import vllm_memory_share
-from flags import flag, parse_flags
+from simple_grpo.devices import vllm_memory_share
 
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -101,17 +100,18 @@ def detected_gpu_gb():
 
 
 def plan_memory(cfg, world_size=1, gpu_gb=None):
-    """The plan for the trainer's config `cfg` (attributes read with getattr): bytes per row for the
+    """The plan for a trainer's config `cfg` (grpo_train's or grpo_vllm_one's): bytes per row for the
     training GPU, the generation GPU and the host, `fits`, `reasons` (why, and what to change) and the
     summary keys of plan_json."""
-    get = lambda name, default: getattr(cfg, name, default)  # noqa: E731
-    dtype, stage, offload = get("dtype", "float32"), get("zero_stage", 0), get("offload_optimizer", False)
-    checkpointing, tp = get("gradient_checkpointing", False), get("gen_tp", 1)
+    dtype, stage, offload = cfg.dtype, cfg.zero_stage, cfg.offload_optimizer
+    checkpointing = cfg.gradient_checkpointing
     uses_vllm = hasattr(cfg, "gen_memory")  # grpo_vllm_one; grpo_train generates on the training GPU
-    gen_memory = vllm_memory_share(get("gen_memory", 0.0), shared_gpu=False)  # the plan gives vLLM a GPU of its own
-    prompts, G, per_part = get("batch_prompts", 8), get("num_generations", 8), get("micro_batch_groups", 0)
-    new_tokens = get("max_new_tokens", 48)
-    seq_len = get("max_model_len", new_tokens + 512)  # grpo_train has no such limit: prompts of up to 512
+    tp = cfg.gen_tp if uses_vllm else 1
+    # the plan gives vLLM a GPU of its own
+    gen_memory = vllm_memory_share(cfg.gen_memory if uses_vllm else 0.0, shared_gpu=False)
+    prompts, G, per_part = cfg.batch_prompts, cfg.num_generations, cfg.micro_batch_groups
+    new_tokens = cfg.max_new_tokens
+    seq_len = cfg.max_model_len if uses_vllm else new_tokens + 512  # grpo_train has no such limit: prompts of up to 512
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} is not one the trainers use: pass float32 or bfloat16")
     if stage not in (0, 1, 2, 3):
@@ -121,8 +121,8 @@ def plan_memory(cfg, world_size=1, gpu_gb=None):
     if new_tokens >= seq_len:
         raise ValueError(f"max_new_tokens {new_tokens} leaves no room for a prompt in max_model_len {seq_len}: "
                          "raise --max_model_len")
-    gpu_gb = gpu_gb or get("plan_gpu_gb", 0) or detected_gpu_gb()
-    m, d, N, gpu = count_parameters(get("model", "")), DTYPE_BYTES[dtype], world_size, gpu_gb * GB
+    gpu_gb = gpu_gb or cfg.plan_gpu_gb or detected_gpu_gb()
+    m, d, N, gpu = count_parameters(cfg.model), DTYPE_BYTES[dtype], world_size, gpu_gb * GB
     P = m["params"]
 
     # ALGO LOGIC: one training GPU
@@ -207,26 +207,8 @@ def plan_json(plan):
     return json.dumps({"fits": plan["fits"], **numbers})
 
 
-@dataclass
-class PlanArgs:
-    model: str = flag("configs/qwen2.5-0.5b", "HF model directory or its config.json")
-    dtype: str = flag("float32", "training (and vLLM) dtype: float32 or bfloat16")
-    zero_stage: int = flag(0, "DeepSpeed ZeRO stage, 0-3")
-    offload_optimizer: bool = flag(False, "ZeRO 1-3: optimizer state in host RAM")
-    gradient_checkpointing: bool = flag(False, "keep layer inputs only, recompute")
-    world_size: int = flag(1, "training ranks (one GPU each), all on this node")
-    batch_prompts: int = flag(8, "problems per step")
-    num_generations: int = flag(8, "completions per problem (the group size G)")
-    micro_batch_groups: int = flag(0, "groups per forward/backward (0: all at once)")
-    max_new_tokens: int = flag(48, "the longest completion, in tokens")
-    max_model_len: int = flag(512, "the longest prompt + completion, in tokens")
-    gen_memory: float = flag(0.3, "vLLM's gpu_memory_utilization (share of its GPU)")
-    gen_tp: int = flag(1, "vLLM's tensor-parallel size")
-    plan_gpu_gb: float = flag(0.0, "each GPU's memory in GB (0: the detected GPU's)")
-
-
 def show_plan(cfg):
-    """The memory plan (memory_plan.py) from the model's config, before any weight is loaded.
+    """The memory plan from the model's config, before any weight is loaded.
     --plan prints it and stops; on a GPU, a run that cannot fit stops here with the plan."""
     import torch
     if not (cfg.plan or torch.cuda.is_available()):
@@ -246,9 +228,3 @@ def show_plan(cfg):
         raise SystemExit("this run does not fit (memory plan above): change what it says, or check the plan "
                          "for another GPU size with --plan --plan_gpu_gb N")
 
-
-if __name__ == "__main__":
-    args = parse_flags(PlanArgs, __doc__)
-    plan = plan_memory(args, world_size=args.world_size)
-    print(format_plan(plan))
-    print(plan_json(plan))

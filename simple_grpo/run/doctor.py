@@ -16,7 +16,7 @@ from collections import Counter
 
 from tqdm import tqdm
 
-from disk import append_lines
+from simple_grpo.run.disk_guard import append_lines
 
 RULES = {
     "no_signal": "doctor_window batches in a row with no group whose rewards differ (GRPO learns nothing)",
@@ -39,7 +39,8 @@ def parse_stop_on(text):
 
 def batch_summary(rewards, scores, texts, has_signal):
     """What the doctor needs of one generated batch, trained or dropped: small, JSON-safe (it crosses
-    processes). rewards (Q*G,); scores [Q*G] dicts from rewards.score; texts [Q*G]; has_signal (Q,)."""
+    processes). rewards (Q*G,); scores [Q*G] dicts from task/rewards.py's score; texts [Q*G];
+    has_signal (Q,)."""
     return {"groups": len(has_signal), "groups_with_signal": int(has_signal.sum()),
             "rewards": [round(r, 3) for r in rewards.tolist()],
             "sample": {"completion": texts[0], "scores": scores[0]}}

@@ -10,7 +10,7 @@ import os
 
 from tqdm import tqdm
 
-from disk import append_lines
+from simple_grpo.run.disk_guard import append_lines
 
 # what curves.png shows, 2 rows of 4; report.html shows more (report.CURVE_KEYS)
 CURVES = ["reward_mean", "accuracy", "format_rate", "kl", "completion_len", "zero_var_frac", "entropy",

@@ -13,7 +13,8 @@ def preflight(cfg):
              "reward_file"]
     args = [f"--{flag}={getattr(cfg, flag)}" for flag in flags] + [f"--n={cfg.preflight_n}"]
     print(f"pre-flight: probing {cfg.preflight_n} problems x {cfg.num_generations} completions (tools/probe.py)")
-    probe = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools", "probe.py")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+    probe = os.path.join(root, "tools", "probe.py")
     out = subprocess.run([sys.executable, probe, *args], stdout=subprocess.PIPE, text=True)
     print(out.stdout, end="")
     if out.returncode != 0:

@@ -1,0 +1,96 @@
+"""What the benches share (not a bench itself): the work every compared system gets, a trainer run with
+its own reference server and its peak memory, and the DeepSpeed op built before anything is timed."""
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import psutil
+
+from simple_grpo.generation.config import GenerationConfig
+from simple_grpo.run.launch import ROOT, TINY_WORLD_FLAGS, evaluate, free_port, start_ref_server
+from simple_grpo.run.metrics import read_metrics
+from simple_grpo.trainer.config import TrainerConfig
+
+# The shared settings: every system gets exactly these.
+TRAIN = "data/toy_math/train.jsonl"
+PROMPTS, GROUP = 8, 8  # prompts per step, completions per prompt
+LR, BETA, TEMPERATURE = 1e-4, 0.04, 0.7
+REWARD_WEIGHTS = {"correctness": 1.0, "format": 0.5}
+
+
+@dataclass
+class SamplerConfig(GenerationConfig, TrainerConfig):
+    """The flags grpo_vllm_one.py's worker reads (its Config less run_name and threads): what the benches
+    that start vLLM themselves pass to start_vllm and sample."""
+
+
+def tree_rss(proc):
+    """Resident memory of a process and all its children, in bytes."""
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def wait_peak_rss(proc, also=None):
+    """Wait for PROC to exit, sampling memory every 0.2 s; returns its tree's peak RSS in bytes,
+    and the peak of its tree plus ALSO's (another process, sampled at the same moments)."""
+    watched, other, peak, peak_with = psutil.Process(proc.pid), also and psutil.Process(also.pid), 0, 0
+    while proc.poll() is None:
+        try:
+            rss = tree_rss(watched)
+            peak, peak_with = max(peak, rss), max(peak_with, rss + (tree_rss(other) if other else 0))
+        except psutil.NoSuchProcess:
+            pass
+        time.sleep(0.2)
+    return peak, peak_with
+
+
+def build_deepspeed_ops(env):
+    """Compile DeepSpeed's CPU comm op now, where grpo_train.py keeps it (.cache/torch_extensions).
+    Its first use builds it (about a minute, and a C++ compiler of ~2.7 GB that a fresh checkout's
+    first measured run would otherwise count as its own memory). Nothing to build on CUDA."""
+    code = ("import deepspeed; from deepspeed.comm.torch import build_shm_op; "
+            "print('DeepSpeed comm op:', 'ready' if build_shm_op() else 'none for this accelerator')")
+    extensions = os.path.join(ROOT, ".cache", "torch_extensions")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={"TORCH_EXTENSIONS_DIR": extensions, **env},
+                   stdout=sys.stderr, check=True)
+
+
+def run(trainer, steps, skip, env, extra, run_name=None):
+    port = free_port()
+    server = start_ref_server(port, env)
+    run_name = run_name or f"bench_{trainer}"
+    try:
+        t0 = time.time()
+        proc = subprocess.Popen([sys.executable, f"{trainer}.py", "--ref_url", f"http://127.0.0.1:{port}",
+                                 "--run_name", run_name, "--overwrite", "--steps", str(steps),
+                                 "--save_every", str(steps), *TINY_WORLD_FLAGS, *extra],
+                                cwd=ROOT, env=env)
+        peak, peak_with_ref = wait_peak_rss(proc, also=server)
+        if proc.returncode != 0:
+            raise SystemExit(f"{trainer}.py failed with exit code {proc.returncode}")
+        print(f"{trainer}: {steps} steps in {time.time() - t0:.0f} s with start-up", file=sys.stderr)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    rows, _ = read_metrics(os.path.join(ROOT, "runs", run_name, "metrics.jsonl"))  # steps, not the doctor's warnings
+    timed = rows[skip:]
+    config = json.load(open(os.path.join(ROOT, "runs", run_name, "config.json")))
+    completions = len(timed) * config["batch_prompts"] * config["num_generations"]
+    after = evaluate(os.path.join("runs", run_name, f"step_{steps}"), env)
+    return {"trainer": trainer,
+            "completions_per_s": round(completions / sum(r["step_s"] for r in timed), 2),
+            "s_per_step": round(statistics.median(r["step_s"] for r in timed), 3),
+            "gen_s_median": round(statistics.median(r["gen_s"] for r in timed), 3),
+            "compute_s_median": round(statistics.median(r["compute_s"] for r in timed), 3),
+            "peak_rss_mb": round(peak / 2**20), "peak_rss_with_ref_mb": round(peak_with_ref / 2**20),
+            "completion_len_mean": round(statistics.mean(r["completion_len"] for r in timed), 1),
+            "accuracy_after": after["accuracy"]}

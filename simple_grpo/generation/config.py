@@ -1,0 +1,26 @@
+"""The generation worker's flags (grpo_vllm_one.py): where vLLM runs, how many workers, how weights
+reach them and how stale a batch may be. grpo_vllm_one.Config combines them with the trainer's."""
+from dataclasses import dataclass
+
+from simple_grpo.flags import flag
+
+
+@dataclass
+class GenerationConfig:
+    SECTIONS = {"gen_device": "the generation worker (vLLM)"}
+    gen_device: int = flag(-1, "vLLM's first GPU as nvidia-smi numbers it; -1: the first no trainer rank uses")
+    gen_tp: int = flag(1, "vLLM tensor-parallel size: GPUs gen_device, gen_device + 1, ...")
+    gen_every: int = flag(0, "one generation worker per this many trainer ranks (0: one per node)")
+    gen_workers: int = flag(1, "generation workers (vLLM engines) per trainer, each on GPU(s) or core(s) of its own")
+    gen_threads: int = flag(1, "CPU machines: cores for each worker's vLLM (worker 0: the last ones, 1: those before)")
+    gen_compile: bool = flag(False, "CPU machines: torch.compile vLLM's model (~25 s more start-up, 10-20% faster "
+                                    "sampling; on a GPU vLLM always compiles)")
+    gen_memory: float = flag(0.0, "vLLM's gpu_memory_utilization; 0: 0.9 on a GPU of its own, 0.3 beside the trainer")
+    max_model_len: int = flag(512, "vLLM's context length: prompt + completion")
+    tis_cap: float = flag(2.0, "truncated importance sampling: tokens weighted by min(pi_old / pi_vLLM, cap); 0: off")
+    sync_every: int = flag(1, "optimizer steps between weight syncs to the worker")
+    max_policy_lag: int = flag(1, "the worker waits rather than sample with weights older than this")
+    regroup: bool = flag(False, "regroup_ver/: upload all groups; the regrouping server serves mixed-reward ones")
+    max_completions: int = flag(0, "stop once the worker has generated this many completions (0: run all steps)")
+    startup_timeout: float = flag(1200.0, "seconds the generation worker may take to start vLLM (load, compile)")
+    data_timeout: float = flag(600.0, "seconds to wait for a batch once vLLM is up (the worker: for new weights)")

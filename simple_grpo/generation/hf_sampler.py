@@ -1,0 +1,25 @@
+"""Sampling with the policy itself (transformers generate, KV cache): grpo_train.py's sampler, and
+tools/explain_step.py's. grpo_vllm_one.py samples with vLLM instead (vllm_sampler.py)."""
+import torch
+
+from grpo_math import prefill_prompts
+
+
+def generate(model, tokenizer, prompts, cfg, stop_ids, synced_gpus=False):
+    """Sample G completions per prompt, each ending at the first of stop_ids. Returns prompt_ids
+    (Q, P) left-padded with its mask, and completion_ids (Q*G, C) right-padded with pad, group after group."""
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left",
+                    add_special_tokens=False).to(model.device)
+    ids, mask, G = enc["input_ids"], enc["attention_mask"], cfg.num_generations
+    model.eval()
+    with torch.no_grad():
+        # the G samples of a prompt share it: run each prompt once (all but its last token, which
+        # generate feeds itself) and hand generate G copies of its KV cache
+        cache = prefill_prompts(model, ids[:, :-1], mask[:, :-1], G).past_key_values
+        out = model.generate(input_ids=ids.repeat_interleave(G, 0), attention_mask=mask.repeat_interleave(G, 0),
+                             past_key_values=cache, do_sample=True, temperature=cfg.temperature, top_k=0,
+                             top_p=1.0, max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
+                             eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
+                             synced_gpus=synced_gpus)
+    model.train()
+    return ids, mask, out[:, ids.size(1):]

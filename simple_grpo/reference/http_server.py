@@ -1,0 +1,164 @@
+"""The reference server's HTTP side: checked uploads, a shared token, bounded connections.
+
+Every upload is checked (read_rollout) before the model sees it; a bad one gets a 4xx with a one-line
+JSON reason (answer). At most max_connections are served at once (more get 429), each cut off
+conn_timeout seconds after it opened, so memory stays bounded under any flood (tests/test_ref_server_hostile.py).
+"""
+import hmac
+import ipaddress
+import json
+import math
+import socket
+import sys
+import threading
+import time
+from http import HTTPStatus
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+
+import bottle
+
+from simple_grpo.protocol import check_rollout, decode
+
+
+def answer(status, reason):
+    """An error response: HTTP status and a one-line JSON reason."""
+    return bottle.HTTPResponse(json.dumps({"error": reason}), status=status, content_type="application/json")
+
+
+def add_token_check_and_health(app, cfg, stats):
+    """With cfg.token set, every request must carry 'Authorization: Bearer TOKEN' or get 401.
+    GET /health answers JSON."""
+    started = time.time()
+
+    @app.get("/health")
+    def health():
+        return {"status": "ok", "model": cfg.model, "uptime_s": round(time.time() - started, 1)}
+
+    @app.hook("before_request")
+    def check_token():
+        sent = bottle.request.get_header("Authorization", "")
+        if cfg.token and not hmac.compare_digest(sent.encode(), f"Bearer {cfg.token}".encode()):
+            stats["rejected"] += 1
+            raise answer(401, "missing or wrong token (send 'Authorization: Bearer TOKEN')")
+
+
+def read_rollout(cfg, model_config, stats):
+    """The uploaded group as (body size, tensors, meta), checked; raises a 4xx answer otherwise.
+    The body's declared size is checked before it is read."""
+    limit = cfg.max_body_mb * 2**20
+    try:
+        size = bottle.request.content_length
+    except ValueError:
+        size = -1
+    status, reason = (411, "Content-Length required") if size < 0 else \
+                     (413, f"body of {size} bytes > {cfg.max_body_mb} MB") if size > limit else (0, "")
+    if not status:
+        try:
+            tensors, meta = decode(bottle.request.body.read(limit))
+            check_rollout(tensors, meta, model_config.vocab_size, model_config.max_position_embeddings,
+                          cfg.max_group_size)
+            return size, tensors, meta
+        except ValueError as e:
+            status, reason = 400, str(e)
+        except (OSError, bottle.HTTPError) as e:  # the sender hung up mid-body, or sent broken chunks
+            status, reason = 400, f"the body could not be read ({type(e).__name__})"
+    stats["rejected"] += 1
+    raise answer(status, reason)
+
+
+def wait_seconds():
+    """/get's ?wait=: how long to wait for a finished group (0 to 30 s)."""
+    try:
+        wait = float(bottle.request.query.get("wait") or 0)
+    except ValueError:
+        wait = math.nan
+    if math.isnan(wait):
+        raise answer(400, "wait must be a number of seconds")
+    return min(max(wait, 0.0), 30.0)
+
+
+class ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most max_connections at once: one more gets an immediate 429
+    and is closed. Every connection is cut conn_timeout seconds after it was accepted, so a slow
+    or stalled sender cannot keep a thread, and memory stays bounded (max_connections bodies)."""
+    daemon_threads = True  # a waiting /get must not block uploads
+    request_queue_size = 1024  # connections the kernel holds until accepted (the default, 5, drops bursts)
+
+    def __init__(self, address, handler, max_connections, conn_timeout):
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.slots, self.conn_timeout = threading.BoundedSemaphore(max_connections), conn_timeout
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            refuse(request, 429, "too many connections at once: retry later")
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)  # a new thread runs process_request_thread
+
+    def process_request_thread(self, request, client_address):
+        cut = threading.Timer(self.conn_timeout, close_quietly, args=(request,))
+        cut.start()
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            cut.cancel()
+            self.slots.release()
+
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], OSError):  # a client that hung up or was cut off is no error
+            super().handle_error(request, client_address)
+
+
+def refuse(sock, status, reason):
+    """A one-line JSON answer written straight to a socket no thread will serve."""
+    body = json.dumps({"error": reason}).encode()
+    head = (f"HTTP/1.0 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+    try:
+        sock.settimeout(1.0)
+        sock.sendall(head.encode() + body)
+    except OSError:
+        pass
+
+
+def close_quietly(sock):
+    """Cut a connection from another thread: the thread reading or writing it sees the end at once."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+class QuietHandler(WSGIRequestHandler):
+    default_request_version = "HTTP/1.0"  # so even a malformed request line's answer has a status line
+
+    def log_message(self, *args):  # a line per request (or per bad one) would flood the log; see /stats
+        pass
+
+    def parse_request(self):
+        if not super().parse_request():
+            return False
+        if len(self.headers.get_all("Content-Length", [])) > 1:  # which body would be the upload?
+            self.send_error(400, "more than one Content-Length header")
+            return False
+        return True
+
+    def send_error(self, code, message=None, explain=None):
+        # the parser answers "HTTP/2.0" in a request line with 505; this server reads it as a bad request
+        super().send_error(400 if code == 505 else code, message, explain)
+
+
+def is_loopback(host):
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(app, cfg, name="ref server"):
+    server = ThreadingWSGIServer((cfg.host, cfg.port), QuietHandler, cfg.max_connections, cfg.conn_timeout)
+    server.set_app(app)
+    print(f"{name}: {cfg.model} on {cfg.device}, listening on http://{cfg.host}:{cfg.port}", flush=True)
+    server.serve_forever()

@@ -1,0 +1,87 @@
+"""The trainers' shared flags and their checks: what both grpo_train.py and grpo_vllm_one.py take.
+
+Each script's Config extends TrainerConfig with the flags that are its own (grpo_vllm_one.py adds the
+generation worker's, simple_grpo/generation/config.py); check_options fills in the defaults that depend
+on other flags and refuses bad values before the slow start-up.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+from grpo_math import LOSS_TYPES
+from simple_grpo.flags import flag
+from simple_grpo.run.doctor import parse_stop_on
+from simple_grpo.run.metrics import Tracker
+from simple_grpo.task.config import TaskConfig, check_task
+from simple_grpo.trainer.deepspeed_config import deepspeed_config, uses_bf16, zero_stage
+
+
+@dataclass
+class TrainerConfig(TaskConfig):
+    """The flags both trainers share; each script's Config adds its own (run_name, threads, ...)."""
+    SECTIONS = {"model": "model and data", "num_generations": "sampling", "beta": "objective (grpo_math.py)",
+                "lr": "optimisation", "zero_stage": "systems", "save_every": "output", "stop_on": "the run doctor"}
+    batch_prompts: int = flag(8, "problems per step")
+    beta: float = flag(0.04, "weight of the KL penalty to the reference model; 0: no reference server")
+    kl_estimator: str = flag("k3", "k1, k2 or k3 (grpo_math.kl_estimate)")
+    epsilon: float = flag(0.2, "PPO clip range: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]")
+    epsilon_high: Optional[float] = flag(None, "upper clip (default: epsilon; 0.28 for dapo, 4.0 for cispo)")
+    loss_type: str = flag("grpo", "grpo, bnpo, dr_grpo, dapo or cispo: how tokens are averaged (grpo_math.aggregate)")
+    importance_sampling_level: str = flag("token", "token, or sequence (GSPO)")
+    scale_rewards: str = flag("", "advantage scale: group, batch or none (default: group; none for dr_grpo)")
+    mask_truncated_completions: bool = flag(False, "completions cut off without a stop token get no gradient")
+    lr: float = flag(1e-6, "Adam's learning rate; 1e-6 (TRL's) suits pretrained models, the tiny demo takes 1e-4")
+    steps: int = flag(200, "optimizer steps (one batch of rollouts each)")
+    num_iterations: int = flag(1, "optimizer steps per batch of rollouts (TRL's num_iterations, PPO's epochs)")
+    micro_batch_groups: int = flag(0, "groups per forward/backward (0: the whole batch); less memory, same step")
+    zero_stage: int = flag(0, "DeepSpeed ZeRO stage (0-3)")
+    dtype: str = flag("float32", "float32, or bfloat16 (bf16 weights and activations, fp32 master weights and Adam)")
+    gradient_checkpointing: bool = flag(False, "recompute activations in backward: less memory, ~1/3 more compute")
+    offload_optimizer: bool = flag(False, "ZeRO-1/2/3: optimizer state and fp32 master weights in host RAM")
+    deepspeed: str = flag("", "a whole DeepSpeed config (JSON): its values win over these flags, 'auto' takes theirs")
+    loss_impl: str = flag("torch", "triton: fused kernels (triton_loss/), the same numbers; torch where Triton can't")
+    plan: bool = flag(False, "print the memory plan (simple_grpo/trainer/memory_plan.py) and exit")
+    plan_gpu_gb: float = flag(0.0, "the GPU size to plan for (0: this machine's GPU)")
+    ref_url: str = flag("http://127.0.0.1:59875", "the reference server (python ref_server.py)")
+    ref_token: str = flag("", "the ref server's shared token, if it has one (default: $SIMPLE_GRPO_TOKEN)")
+    ref_timeout: float = flag(120.0, "seconds to wait for a finished group, or for room in a full queue")
+    peer_timeout: float = flag(30.0, "seconds the ref server may not answer at all before the run stops")
+    local_rank: int = flag(-1, "set by the deepspeed launcher")
+    save_every: int = flag(100, "steps between checkpoints (and one at the end)")
+    resume: bool = flag(False, "continue runs/RUN_NAME from its latest checkpoint")
+    overwrite: bool = flag(False, "replace runs/RUN_NAME if an earlier run used it (its checkpoints are deleted)")
+    log_completions_every: int = flag(10, "every N steps, one group's completions to completions.jsonl (0: never)")
+    report_to: str = flag("none", "none, tensorboard or wandb: send the metrics there too (metrics.jsonl stays)")
+    preflight: bool = flag(False, "first probe preflight_n problems (tools/probe.py); stop if no group has signal")
+    preflight_n: int = flag(64, "problems the pre-flight probe samples")
+    stop_on: str = flag("", "doctor rules that stop the run: no_signal, kl, entropy, truncated, mismatch, ratio")
+    doctor_window: int = flag(10, "batches in a row with no signal (no_signal); steps the other rules average")
+    doctor_kl_max: float = flag(5.0, "kl: KL to the reference above this (the tiny demo peaks near 1.3)")
+    doctor_kl_jump: float = flag(20.0, "kl: or above 1 and this many times its mean over the window before")
+    doctor_entropy_drop: float = flag(0.1, "entropy: the window's mean below this fraction of the first window's")
+    doctor_truncated_max: float = flag(0.5, "truncated: more than this share of completions cut off")
+    doctor_gap_max: float = flag(0.1, "mismatch: vLLM vs trainer log-prob gap per token (bf16 SmolLM2: ~0.03)")
+    doctor_ratio_band: float = flag(0.1, "ratio: the window's mean importance ratio further than this from 1")
+
+
+def check_options(cfg):
+    """Fill in the defaults that depend on other options and reject bad values early, before
+    the slow start-up. Returns the reward weights {name: weight} (a reward file adds names)."""
+    if cfg.loss_type not in LOSS_TYPES:
+        raise SystemExit(f"unknown --loss_type {cfg.loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
+    if cfg.epsilon_high is None:
+        cfg.epsilon_high = {"dapo": 0.28, "cispo": 4.0}.get(cfg.loss_type, cfg.epsilon)
+    cfg.scale_rewards = cfg.scale_rewards or ("none" if cfg.loss_type == "dr_grpo" else "group")
+    for name, allowed in (("scale_rewards", ("group", "batch", "none")), ("kl_estimator", ("k1", "k2", "k3")),
+                          ("importance_sampling_level", ("token", "sequence"))):
+        if getattr(cfg, name) not in allowed:
+            raise SystemExit(f"unknown --{name} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}")
+    reward_weights = check_task(cfg)  # the model, data, reward and sampling flags (task.py)
+    parse_stop_on(cfg.stop_on)
+    Tracker.check(cfg.report_to)
+    # the DeepSpeed config, once: a --deepspeed file can change the stage, dtype and lr the rest reads
+    ds_config, notes = deepspeed_config(cfg, type(cfg)())
+    for note in notes:
+        print(note)
+    cfg.zero_stage, cfg.dtype = zero_stage(ds_config), "bfloat16" if uses_bf16(ds_config) else "float32"
+    cfg.lr = ds_config.get("optimizer", {}).get("params", {}).get("lr", cfg.lr)
+    return reward_weights
