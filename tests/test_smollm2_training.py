@@ -6,7 +6,6 @@
 model, the rewards and the batch size set) keep the KL to the reference at most 0.1 per token: the
 default learning rate must not wreck a real model (1e-4 took it to 239 in one step).
 """
-import json
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 
 from tests.test_smollm2 import save_figures, smollm2  # noqa: F401 - the converted model fixture
 from simple_grpo.run.launch import free_port, start_ref_server
+from simple_grpo.run.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # bf16 steps take minutes on a CPU
@@ -37,8 +37,8 @@ def train(trainer, run, model, server, *flags):
     out = subprocess.run([sys.executable, f"{trainer}.py", "--model", model, "--ref_url", server, "--run_name", run,
                           *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    with open(os.path.join(ROOT, "runs", run, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    steps, _ = read_metrics(os.path.join(ROOT, "runs", run, "metrics.jsonl"))  # not the run doctor's warning rows
+    return steps
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
