@@ -1,6 +1,6 @@
 # Two commands do the whole set-up on a fresh machine (Python 3.11 and pip):
 #   make demo   the main job: GRPO on the tiny default world, before/after (CPU is fine; SEED=1 for another
-#               seed, TRAINER=grpo_train for the simple trainer instead of grpo_vllm_one)
+#               seed, TRAINER=grpo_train for the simple trainer instead of grpo_vllm_one, LORA=1 for adapters)
 #   make test   the test suite (what CI runs); `make test-all` adds the slow end-to-end tests
 # Both create .venv/ and install the requirements on first use (tools/install.sh).
 PY := .venv/bin/python
@@ -12,8 +12,9 @@ install:
 
 SEED ?= 0
 TRAINER ?= grpo_vllm_one
+LORA ?=
 demo: install
-	$(PY) tools/demo.py --seed $(SEED) --trainer $(TRAINER)
+	$(PY) tools/demo.py --seed $(SEED) --trainer $(TRAINER) $(if $(LORA),--lora)
 
 test: install
 	$(PY) -m pytest -q -m "not slow"

@@ -14,8 +14,10 @@ simple_grpo/task/rewards.py, the same code training uses, and the script prints 
 With K samples per problem at T > 0 the rates are over all n*K samples and pass@k is
 the fraction of problems with at least one correct sample.
 """
+import dataclasses
 import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -23,6 +25,7 @@ import torch
 
 from simple_grpo.evaluation import context_length, hf_generate, summarize, vllm_generate
 from simple_grpo.flags import flag, parse_flags
+from simple_grpo.lora import is_adapter_dir, merge_adapter_dir
 from simple_grpo.task.config import DataConfig, load_data
 from simple_grpo.task.problems import make_prompt, stop_token_ids
 from simple_grpo.trainer.deepspeed_config import DTYPES
@@ -30,7 +33,8 @@ from simple_grpo.trainer.deepspeed_config import DTYPES
 
 @dataclass
 class EvalConfig(DataConfig):
-    model: str = flag("models/tiny-math", "the model to evaluate: an HF model directory (a run's checkpoint)")
+    model: str = flag("models/tiny-math", "the model to evaluate: an HF model directory (a run's checkpoint; "
+                                          "a LoRA one is merged into its base first)")
     dataset: str = flag("data/toy_math/test.jsonl", "problems: a file or a hub dataset name, as in the trainers")
     split: str = flag("test", "a hub dataset's split")
     n: int = flag(0, "evaluate the first n problems (0: all)")
@@ -50,13 +54,17 @@ def print_table(metrics, title):
         print(f"{key:<20}{value:>10.3f}" if isinstance(value, float) else f"{key:<20}{value:>10}")
 
 
-def evaluate(cfg: EvalConfig):
+def evaluate(cfg: EvalConfig, label=None):
     if cfg.samples > 1 and cfg.temperature <= 0:
         raise SystemExit("--samples > 1 needs --temperature > 0 (greedy samples are all the same)")
     if not os.path.isdir(cfg.model):
         raise SystemExit(f"model directory {cfg.model!r} not found")
     if cfg.dtype not in DTYPES:
         raise SystemExit(f"unknown --dtype {cfg.dtype!r}: use one of {', '.join(DTYPES)}")
+    if is_adapter_dir(cfg.model):  # a LoRA checkpoint: base + adapters, merged into a whole model for now
+        print(f"{cfg.model} holds LoRA adapters: merging them into their base model to evaluate it")
+        with tempfile.TemporaryDirectory(prefix="merged_lora_") as merged:
+            return evaluate(dataclasses.replace(cfg, model=merge_adapter_dir(cfg.model, merged)), label=cfg.model)
     problems = load_data(cfg)
     problems = problems[:cfg.n] if cfg.n > 0 else problems
     backend = cfg.backend
@@ -90,7 +98,7 @@ def evaluate(cfg: EvalConfig):
     if cfg.samples == 1:
         metrics.pop("pass_at_k")
     mode = "greedy" if cfg.temperature <= 0 else f"T={cfg.temperature}, {cfg.samples} samples"
-    print_table(metrics, f"{cfg.model} on {cfg.dataset} ({mode}, {backend}, {cfg.dtype})")
+    print_table(metrics, f"{label or cfg.model} on {cfg.dataset} ({mode}, {backend}, {cfg.dtype})")
     if cfg.json:
         print(json.dumps(metrics))
     return metrics

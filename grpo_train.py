@@ -4,6 +4,7 @@
     python grpo_train.py            # tiny default model and toy task, on CPU
     deepspeed grpo_train.py --model Qwen/Qwen2.5-0.5B --dataset openai/gsm8k --dataset_config main
     python grpo_train.py --beta 0           # no KL term: no reference server at all
+    python grpo_train.py --use_peft         # LoRA adapters; the base, adapters off, is the reference: no server
 
 Every step, in order:
   1. sample `batch_prompts` problems and generate `num_generations` completions for each
@@ -29,7 +30,8 @@ from grpo_math import completion_mask, is_truncated
 from simple_grpo.devices import max_over_ranks
 from simple_grpo.flags import flag, parse_flags
 from simple_grpo.generation.hf_sampler import generate
-from simple_grpo.protocol import post_groups, ref_request, take_group
+from simple_grpo.lora import reference_logps
+from simple_grpo.protocol import post_groups, ref_request, take_group, uses_ref_server
 from simple_grpo.rollouts import collate, make_groups, rollout_stats, score_groups
 from simple_grpo.run.checkpoints import check_run_dir, open_run, save_checkpoint
 from simple_grpo.run.completions_log import log_batch_completions
@@ -72,7 +74,7 @@ def main(cfg: Config):
     reward_weights, problems = check_options(cfg), load_data(cfg)
     show_plan(cfg)  # --plan prints it and stops here, before the run directory is looked at
     check_run_dir(cfg)  # a used runs/RUN_NAME/ needs --resume or --overwrite
-    if cfg.beta != 0:
+    if uses_ref_server(cfg):
         ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent
     if cfg.preflight and int(os.environ.get("RANK", "0")) == 0:
         preflight(cfg)
@@ -115,12 +117,15 @@ def main(cfg: Config):
             weight = float(has_signal.any())
             groups = [g for g, keep in zip(groups, has_signal.tolist()) if keep] or groups[:1]
 
-        # GRPO 3. reference log-probs from the server (none needed when beta is 0)
+        # GRPO 3. reference log-probs for the KL term: from the server, or with LoRA from our own model with
+        # its adapters off (simple_grpo/lora.py); none needed when beta is 0
         stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 1.0, "grad_norm": 0.0}
         t1 = time.time()
         if groups:
-            finished = get_ref_logps(cfg, groups, run_id, bar) if cfg.beta != 0 else [t for t, _ in groups]
+            finished = get_ref_logps(cfg, groups, run_id, bar) if uses_ref_server(cfg) else [t for t, _ in groups]
             batch = collate(finished, tokenizer.pad_token_id)
+            if cfg.beta != 0 and not uses_ref_server(cfg):
+                batch["ref_logps"] = reference_logps(engine, batch, cfg)
             t2 = time.time()
             # GRPO 4. the update: log-probs, grpo_math.grpo_loss, backward, one optimizer step
             stats, logps = grpo_update(engine, batch, cfg, stop_ids, weight)

@@ -42,12 +42,13 @@ from simple_grpo.devices import max_over_ranks
 from simple_grpo.flags import flag, parse_flags
 from simple_grpo.generation.config import GenerationConfig
 from simple_grpo.generation.progress import WorkerProgress
-from simple_grpo.generation.schedule import batch_worker, sampling_version, stream_id, uses_ref_server
+from simple_grpo.generation.schedule import batch_worker, sampling_version, stream_id
 from simple_grpo.generation.vllm_sampler import sample, start_vllm
 from simple_grpo.generation.weight_sync import WeightSender, receive_weights, sync_weights
 from simple_grpo.generation.workers import (check_workers, draws_to_resume, local_world_size, start_workers,
                                             stop_workers, take_local_group, watch_parent)
-from simple_grpo.protocol import post_groups, ref_request, take_group
+from simple_grpo.lora import reference_logps
+from simple_grpo.protocol import post_groups, ref_request, take_group, uses_ref_server
 from simple_grpo.rollouts import collate, make_groups, rollout_stats, score_groups
 from simple_grpo.run.checkpoints import check_run_dir, open_run, save_checkpoint
 from simple_grpo.run.completions_log import log_batch_completions
@@ -173,9 +174,10 @@ def main(cfg: Config):
     # runs a generation worker that makes a batch per rank it serves, tagged with that rank's run_id;
     # the ref server hands each rank its own; DeepSpeed averages the gradients
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not uses_ref_server(cfg):
-        raise SystemExit("several ranks take their batches from the ref server: use --beta > 0 (or one rank)")
     check_options(cfg)  # bad options and data fail here, before any process starts
+    if world > 1 and not uses_ref_server(cfg):
+        raise SystemExit("several ranks take their batches from the ref server: use --beta > 0 (and with "
+                         "--use_peft, --ref_url), or one rank")
     load_data(cfg)
     show_plan(cfg)  # --plan prints it and stops here, before the run directory is looked at
     check_run_dir(cfg)  # a used runs/RUN_NAME/ needs --resume or --overwrite
@@ -235,7 +237,8 @@ def main(cfg: Config):
                    disable=rank != 0)
         trained, stop = 0, None  # completions in a trained group; the doctor's stop
         for step in bar:
-            # GRPO 3. the next batch of groups the worker made, with the reference's log-probs (ref server)
+            # GRPO 3. the next batch of groups the worker made, with the reference's log-probs (from the ref
+            # server; with LoRA and no --ref_url, from our own model with its adapters off, just below)
             t0 = time.time()
             taken = [take(step)]
             n_groups = cfg.batch_prompts if cfg.regroup else taken[0][1]["groups_in_batch"]
@@ -249,8 +252,11 @@ def main(cfg: Config):
                 generated[m["worker"]] = max(generated[m["worker"]], m["stats"]["generated"])
                 draws[m["worker"]] = max(draws[m["worker"]], m["draws"])
 
-            # GRPO 4. the update: grpo_math.grpo_loss on the batch, one optimizer step; old_logps are vLLM's
             batch = collate(groups, tokenizer.pad_token_id)
+            if cfg.beta != 0 and not uses_ref_server(cfg):  # LoRA: the base model, adapters off
+                batch["ref_logps"] = reference_logps(engine, batch, cfg)
+
+            # GRPO 4. the update: grpo_math.grpo_loss on the batch, one optimizer step; old_logps are vLLM's
             stats, logps = grpo_update(engine, batch, cfg, stop_ids)
             compute_s = time.time() - t0 - wait_s
 

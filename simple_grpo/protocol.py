@@ -17,6 +17,8 @@ from safetensors.torch import load, save
 
 VERSION = 1
 TOKEN_ENV = "SIMPLE_GRPO_TOKEN"  # the shared secret, when the server listens beyond loopback
+DEFAULT_PORT = 59875
+DEFAULT_REF_URL = f"http://127.0.0.1:{DEFAULT_PORT}"  # where `python ref_server.py` listens
 ROLLOUT_TENSORS = {"prompt_ids": 1, "completion_ids": 2, "rewards": 1, "advantages": 1}  # name: ndim
 OPTIONAL_TENSORS = {"old_logps": 2}
 
@@ -90,6 +92,12 @@ def check_rollout(tensors, meta, vocab_size, max_len, max_group_size):
 
 
 # ---------------------------------------------------------------------------- the client side
+def uses_ref_server(cfg):
+    """Whether a trainer talks to the reference server: for the KL term's reference log-probs (with LoRA
+    and no --ref_url the trainer's own base model, adapters off, gives them), and for regrouping's pools."""
+    return (cfg.beta != 0 and bool(cfg.ref_url)) or getattr(cfg, "regroup", False)
+
+
 def auth_headers(token):
     return {"Authorization": f"Bearer {token}"} if token else {}
 

@@ -35,7 +35,8 @@ def test_help_groups_the_trainers_flags_under_headers():
     out = subprocess.run([sys.executable, "grpo_vllm_one.py", "--help"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0
-    headers = ["model and data:", "sampling:", "objective (grpo_math.py):", "optimisation:", "systems:", "output:",
+    headers = ["model and data:", "sampling:", "objective (grpo_math.py):", "optimisation:",
+               "LoRA (simple_grpo/lora.py):", "systems:", "output:",
                "the run doctor:", "the generation worker (vLLM):"]
     positions = [out.stdout.index("\n" + h) for h in headers]
     assert positions == sorted(positions)

@@ -92,6 +92,28 @@ def test_after_a_sync_vllm_is_the_trainers_model(llm, policy):
         assert out[:n].tolist() == completion[:n].tolist()
 
 
+def test_after_a_sync_vllm_is_base_plus_lora_adapters(llm, policy):
+    """--use_peft: the channel carries the base with the adapters merged in (simple_grpo/lora.py), and vLLM's
+    log-probs equal a transformers forward of the PEFT model, adapters on."""
+    from peft import LoraConfig, get_peft_model
+    tok = llm.get_tokenizer()
+    torch.manual_seed(0)
+    peft_model = get_peft_model(policy, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
+                                                   init_lora_weights=False)).eval()  # B random, not 0
+    ctx = torch.multiprocessing.get_context("spawn")
+    weights_queue, loaded, shared = ctx.Queue(), ctx.Value("i", 0), {}
+    WeightSender([weights_queue], [loaded]).send(peft_model, version=1)
+    while receive_weights(llm, weights_queue.get(timeout=10), shared, loaded) is None:
+        pass
+    prompt_rows, completion_ids, old_logps = sample(llm, prompts(llm), CFG)
+    mask = completion_mask(completion_ids, tok.eos_token_id)
+    assert mean_abs_diff(trainer_logps(peft_model, prompt_rows, completion_ids, tok.pad_token_id), old_logps,
+                         mask) <= 1e-4
+    with peft_model.disable_adapter():  # and the adapters matter: the base alone computes something else
+        assert mean_abs_diff(trainer_logps(peft_model, prompt_rows, completion_ids, tok.pad_token_id), old_logps,
+                             mask) > 1e-2
+
+
 def test_a_sync_changes_what_vllm_computes(llm, policy):
     """The check above can only pass by the sync: with the old weights the log-probs differ."""
     tok = llm.get_tokenizer()

@@ -70,6 +70,31 @@ def test_fp32_zero0_holds_16_bytes_a_parameter():
     assert model_state_bytes(p) == 16 * p["model"]["params"]
 
 
+@pytest.mark.parametrize("targets", ["", "all-linear", "q_proj,k_proj"])
+def test_the_plans_lora_parameters_are_what_peft_trains(targets):
+    """The plan counts the adapters from the config; PEFT on the tiny model trains exactly that many."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from simple_grpo.lora import target_modules
+    from simple_grpo.trainer.memory_plan import lora_parameters
+    cfg = Config(model=os.path.join(ROOT, "models", "tiny-math"), use_peft=True, lora_r=8, lora_target_modules=targets)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32),
+                           LoraConfig(r=8, target_modules=target_modules(targets)))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert lora_parameters(cfg, count_parameters(cfg.model)) == trained > 0
+
+
+def test_lora_keeps_gradients_and_adam_for_the_adapters_only():
+    full, lora = plan(offload_optimizer=False), plan(offload_optimizer=False, use_peft=True)
+    P = full["model"]["params"]
+    assert lora["trainer"]["weights"] > full["trainer"]["weights"] == 2 * P  # the base, plus the adapters
+    assert lora["trainer"]["gradients"] + lora["trainer"]["optimizer"] < 0.01 * (
+        full["trainer"]["gradients"] + full["trainer"]["optimizer"])
+    assert lora["fits"] and lora["host"]["optimizer_offload"] == 0 and "LoRA r=16" in format_plan(lora)
+    assert "--use_peft" in plan(dtype="float32", zero_stage=2, offload_optimizer=False)["reasons"][0]
+
+
 def test_the_seeds_7b_configuration_fits():
     p = plan()
     assert p["fits"], format_plan(p)

@@ -1,8 +1,9 @@
 """`make demo`: GRPO on the tiny default model, on CPU, with a before/after report.
 
-    python tools/demo.py [--seed 1] [--steps 650] [--trainer grpo_train] [-- extra trainer flags]
+    python tools/demo.py [--seed 1] [--steps 650] [--trainer grpo_train] [--lora] [-- extra trainer flags]
 
-1. starts ref_server.py in the background and waits for its /health;
+1. starts ref_server.py in the background and waits for its /health (not with --lora: the base model,
+   adapters off, is the reference);
 2. evaluates the shipped model greedily on the held-out test split;
 3. trains with grpo_train.py or grpo_vllm_one.py (--trainer) into runs/NAME, replacing an earlier
    demo run of that name (the trainer's --overwrite);
@@ -21,6 +22,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from simple_grpo.run.launch import MODEL, ROOT, TINY_WORLD_FLAGS, evaluate, free_port, start_ref_server  # noqa: E402
 
+# LoRA on the tiny model: adapters on every linear layer, and a learning rate to match (docs/guide.md, LoRA)
+LORA_FLAGS = ["--use_peft", "--lora_target_modules", "all-linear", "--lr", "1e-3"]
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -29,22 +33,24 @@ def main():
     # grpo_vllm_one, the script the project is named for: its worker samples the next batch while the
     # trainer computes (bench/trainers.py compares the two)
     ap.add_argument("--trainer", default="grpo_vllm_one", choices=["grpo_train", "grpo_vllm_one"])
-    ap.add_argument("--run_name", default=None, help="default: demo_seedN (grpo_train), demo_vllm_seedN")
+    ap.add_argument("--lora", action="store_true", help="train LoRA adapters (--use_peft with LORA_FLAGS)")
+    ap.add_argument("--run_name", default=None, help="default: demo_seedN (grpo_train), demo_vllm_seedN, demo_lora_...")
     ap.add_argument("train_args", nargs="*", help="extra trainer flags, after --")
     args = ap.parse_args()
-    run_name = args.run_name or f"demo_{'' if args.trainer == 'grpo_train' else 'vllm_'}seed{args.seed}"
+    run_name = args.run_name or (f"demo_{'lora_' if args.lora else ''}{'' if args.trainer == 'grpo_train' else 'vllm_'}"
+                                 f"seed{args.seed}")
     # two busy processes on two cores: OpenMP threads must sleep, not spin, while they wait
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     t0 = time.time()
     before = evaluate(MODEL, env)
     port = free_port()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill` runs the clean-up below too
-    server, trainer = start_ref_server(port, env), None
+    server, trainer = (None if args.lora else start_ref_server(port, env)), None
+    flags = LORA_FLAGS if args.lora else ["--ref_url", f"http://127.0.0.1:{port}", *TINY_WORLD_FLAGS]
     try:
-        trainer = subprocess.Popen([sys.executable, f"{args.trainer}.py", "--ref_url", f"http://127.0.0.1:{port}",
+        trainer = subprocess.Popen([sys.executable, f"{args.trainer}.py", *flags,
                                     "--run_name", run_name, "--overwrite", "--seed", str(args.seed),
-                                    "--steps", str(args.steps),
-                                    *TINY_WORLD_FLAGS, *args.train_args], cwd=ROOT, env=env)
+                                    "--steps", str(args.steps), *args.train_args], cwd=ROOT, env=env)
         if trainer.wait() != 0:
             raise SystemExit(f"{args.trainer}.py failed with exit code {trainer.returncode}")
     finally:  # stop what we started; the trainer stops its own generation worker

@@ -32,7 +32,7 @@ if [ "$req" = requirements-cpu.txt ]; then
     # ("operator torchvision::nms does not exist"), and text models need none of them.
     .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-.venv/bin/python -c "import torch, transformers, deepspeed, bottle, math_verify" \
+.venv/bin/python -c "import torch, transformers, deepspeed, bottle, math_verify, peft" \
     || { echo "install.sh: the install of $req is incomplete (see pip's messages above)"; exit 1; }
 if [ -n "$extras" ]; then  # the extras (TRL) must import beside vLLM, as bench/compare_trl.py uses them
     .venv/bin/python -c "from vllm import LLM; from trl import GRPOConfig, GRPOTrainer" \

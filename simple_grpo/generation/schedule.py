@@ -22,7 +22,3 @@ def batch_worker(step, rank, served, cfg):
     in turn for its ranks `served` (b -> rank served[b % len(served)]), worker b % gen_workers."""
     return ((step - 1) * len(served) + served.index(rank)) % cfg.gen_workers
 
-
-def uses_ref_server(cfg):
-    """The KL term needs the reference server's log-probs; regrouping needs its pools."""
-    return cfg.beta != 0 or cfg.regroup

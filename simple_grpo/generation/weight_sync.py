@@ -13,6 +13,7 @@ import time
 import torch
 
 from simple_grpo.devices import check_shared_memory
+from simple_grpo.lora import merged_weights
 
 
 def weight_layout(state_dict):
@@ -54,7 +55,7 @@ class WeightSender:
             import deepspeed
             gather = deepspeed.zero.GatheredParameters(list(module.parameters()))
         with gather, torch.no_grad():
-            state_dict = module.state_dict()
+            state_dict = merged_weights(module)  # with LoRA: base + adapters, merged
             if self.buffers is None:  # first sync: allocate, and hand the workers the buffers once
                 self.layout, size = weight_layout(state_dict)
                 check_shared_memory(2 * size)

@@ -2,6 +2,7 @@
 from dataclasses import dataclass
 
 from simple_grpo.flags import flag
+from simple_grpo.protocol import DEFAULT_PORT
 
 
 @dataclass
@@ -9,7 +10,7 @@ class ServerConfig:
     model: str = flag("models/tiny-math", "the reference model (usually the policy's starting point)")
     host: str = flag("127.0.0.1", "the address to listen on: loopback only unless told otherwise")
     token: str = flag("", "shared secret every request must carry (default: $SIMPLE_GRPO_TOKEN); needed off loopback")
-    port: int = flag(59875, "the port to listen on")
+    port: int = flag(DEFAULT_PORT, "the port to listen on")
     device: str = flag("cpu", "where the reference model runs: cpu, cuda, cuda:1, ...")
     dtype: str = flag("float32", "float32, bfloat16 or float16")
     threads: int = flag(1, "CPU threads for the reference forward pass")

@@ -50,18 +50,19 @@ def barrier():
 
 
 def save_checkpoint(engine, tokenizer, run_dir, step, state):
-    """runs/NAME/step_N/: the HF model and tokenizer, and in deepspeed/ the engine's full state
+    """runs/NAME/step_N/: the HF model (with LoRA: the adapters, in PEFT's format) and tokenizer, and in deepspeed/ the engine's full state
     with `state` (the trainer's own: data position ...) and the RNG states. Every rank calls it.
     A save the disk has no room for ends the run (disk_guard.py) with the last checkpoint whole."""
     final = os.path.join(run_dir, f"step_{step}")
     tmp, rank0 = final + ".tmp", engine.global_rank == 0
+    lora = hasattr(engine.module, "peft_config")  # step_N/ then holds the adapters (PEFT's format), not the model
     if rank0:
         shutil.rmtree(tmp, ignore_errors=True)
     barrier()
     error = None
     try:
         engine.save_checkpoint(tmp, tag=STATE_DIR, client_state={"trainer": state, "rng": rng_states()},
-                               save_latest=False)
+                               save_latest=False, exclude_frozen_parameters=lora)  # LoRA: the base is on disk
     except Exception as e:  # decided below, by every rank together
         error = e
     gather = contextlib.nullcontext()
@@ -119,7 +120,8 @@ def load_checkpoint(engine, run_dir):
         raise SystemExit(f"--resume: no checkpoint to resume from in {run_dir}/ (a run saves one every "
                          f"--save_every steps); start without --resume")
     path, client = resumable[-1], None
-    _, client = engine.load_checkpoint(path, tag=STATE_DIR, load_module_strict=True)
+    lora = hasattr(engine.module, "peft_config")  # the frozen base was left out of the save: it is loaded already
+    _, client = engine.load_checkpoint(path, tag=STATE_DIR, load_module_strict=not lora)
     if client is None:
         raise SystemExit(f"--resume: {path}/{STATE_DIR} could not be loaded")
     set_rng_states(client["rng"])

@@ -9,6 +9,7 @@ from typing import Optional
 
 from grpo_math import LOSS_TYPES
 from simple_grpo.flags import flag
+from simple_grpo.protocol import DEFAULT_REF_URL
 from simple_grpo.run.doctor import parse_stop_on
 from simple_grpo.run.metrics import Tracker
 from simple_grpo.task.config import TaskConfig, check_task
@@ -19,7 +20,8 @@ from simple_grpo.trainer.deepspeed_config import deepspeed_config, uses_bf16, ze
 class TrainerConfig(TaskConfig):
     """The flags both trainers share; each script's Config adds its own (run_name, threads, ...)."""
     SECTIONS = {"model": "model and data", "num_generations": "sampling", "beta": "objective (grpo_math.py)",
-                "lr": "optimisation", "zero_stage": "systems", "save_every": "output", "stop_on": "the run doctor"}
+                "lr": "optimisation", "use_peft": "LoRA (simple_grpo/lora.py)", "zero_stage": "systems",
+                "save_every": "output", "stop_on": "the run doctor"}
     batch_prompts: int = flag(8, "problems per step")
     beta: float = flag(0.04, "weight of the KL penalty to the reference model; 0: no reference server")
     kl_estimator: str = flag("k3", "k1, k2 or k3 (grpo_math.kl_estimate)")
@@ -33,6 +35,14 @@ class TrainerConfig(TaskConfig):
     steps: int = flag(200, "optimizer steps (one batch of rollouts each)")
     num_iterations: int = flag(1, "optimizer steps per batch of rollouts (TRL's num_iterations, PPO's epochs)")
     micro_batch_groups: int = flag(0, "groups per forward/backward (0: the whole batch); less memory, same step")
+    use_peft: bool = flag(False, "train LoRA adapters (PEFT) on a frozen base model; with beta > 0 the base, "
+                                 "adapters off, is the reference (no ref server unless --ref_url)")
+    lora_r: int = flag(16, "LoRA rank (TRL's default)")
+    lora_alpha: int = flag(32, "LoRA scale numerator: the update is (lora_alpha / lora_r) * B @ A (TRL's default)")
+    lora_dropout: float = flag(0.05, "dropout on the adapters' input while training (TRL's default; vLLM samples "
+                                     "without it, so 0 keeps the trainer's log-probs closer to the sampler's)")
+    lora_target_modules: str = flag("", "comma-separated module names, or all-linear (every linear layer but the "
+                                        "output head); default: PEFT's for the architecture (Qwen2, Llama: q_proj,v_proj)")
     zero_stage: int = flag(0, "DeepSpeed ZeRO stage (0-3)")
     dtype: str = flag("float32", "float32, or bfloat16 (bf16 weights and activations, fp32 master weights and Adam)")
     gradient_checkpointing: bool = flag(False, "recompute activations in backward: less memory, ~1/3 more compute")
@@ -41,7 +51,8 @@ class TrainerConfig(TaskConfig):
     loss_impl: str = flag("torch", "triton: fused kernels (triton_loss/), the same numbers; torch where Triton can't")
     plan: bool = flag(False, "print the memory plan (simple_grpo/trainer/memory_plan.py) and exit")
     plan_gpu_gb: float = flag(0.0, "the GPU size to plan for (0: this machine's GPU)")
-    ref_url: str = flag("http://127.0.0.1:59875", "the reference server (python ref_server.py)")
+    ref_url: str = flag("", f"the reference server (python ref_server.py); default {DEFAULT_REF_URL}, and none "
+                            "with --use_peft (the base model with the adapters off is the reference)")
     ref_token: str = flag("", "the ref server's shared token, if it has one (default: $SIMPLE_GRPO_TOKEN)")
     ref_timeout: float = flag(120.0, "seconds to wait for a finished group, or for room in a full queue")
     peer_timeout: float = flag(30.0, "seconds the ref server may not answer at all before the run stops")
@@ -75,6 +86,11 @@ def check_options(cfg):
                           ("importance_sampling_level", ("token", "sequence"))):
         if getattr(cfg, name) not in allowed:
             raise SystemExit(f"unknown --{name} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}")
+    if cfg.use_peft:
+        check_lora(cfg)
+    # the ref server holds the reference model; with LoRA the trainer's own base is it (regrouping still
+    # needs the server's pools)
+    cfg.ref_url = cfg.ref_url or ("" if cfg.use_peft and not getattr(cfg, "regroup", False) else DEFAULT_REF_URL)
     reward_weights = check_task(cfg)  # the model, data, reward and sampling flags (task.py)
     parse_stop_on(cfg.stop_on)
     Tracker.check(cfg.report_to)
@@ -85,3 +101,15 @@ def check_options(cfg):
     cfg.zero_stage, cfg.dtype = zero_stage(ds_config), "bfloat16" if uses_bf16(ds_config) else "float32"
     cfg.lr = ds_config.get("optimizer", {}).get("params", {}).get("lr", cfg.lr)
     return reward_weights
+
+
+def check_lora(cfg):
+    """LoRA's flags, before the slow start-up: PEFT installed, a positive rank, a dropout in [0, 1)."""
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise SystemExit("--use_peft needs PEFT: pip install peft (it is in requirements*.txt)") from None
+    if cfg.lora_r < 1 or cfg.lora_alpha <= 0:
+        raise SystemExit(f"--lora_r {cfg.lora_r}, --lora_alpha {cfg.lora_alpha}: both must be positive")
+    if not 0 <= cfg.lora_dropout < 1:
+        raise SystemExit(f"--lora_dropout {cfg.lora_dropout}: must be in [0, 1)")

@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from simple_grpo.lora import add_adapters
 from simple_grpo.trainer.deepspeed_config import deepspeed_config
 from triton_loss import choose_loss_impl
 
@@ -46,7 +47,9 @@ def make_engine(cfg):
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, cfg.dtype))
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+    if cfg.use_peft:  # LoRA: the base is frozen, the adapters train (simple_grpo/lora.py)
+        model = add_adapters(model, cfg)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=deepspeed_config(cfg)[0])
     return engine, tokenizer
 

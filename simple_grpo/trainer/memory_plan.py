@@ -16,6 +16,11 @@ L = the largest module's parameters) as DeepSpeed 0.19.8 holds them with AdamW (
   ZeRO-2             d            (d + 4)/N      (4 + 8)/N    d = 2: DeepSpeed's estimator, 2 + 18/N
   ZeRO-3             d/N + dL/P   dL/P + 4/N     (4 + 8)/N    d = 2: its estimator, (4L + 18P/N)/P
   + offload          the fp32 gradients, master and Adam go to the host: 16/N a rank (16P a node)
+  LoRA (--use_peft)  the frozen base holds weights only (d, or d/N + dL/P under ZeRO-3); gradients and
+                     the optimizer rows above count the adapters' A parameters instead of P; the
+                     activations are counted as in full training (an upper bound: a frozen linear
+                     layer keeps no input for a weight gradient)
+
 
 Where 0.19.8's code holds more than its estimators count, the margin carries it: ZeRO-1/2's step()
 flattens the 16-bit gradient partition once more (d/N); ZeRO-3 keeps that partition (2/N) but makes
@@ -31,6 +36,7 @@ import math
 import os
 
 from simple_grpo.devices import vllm_memory_share
+from simple_grpo.lora import target_modules
 
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -60,7 +66,21 @@ def count_parameters(model):
             "hidden": config.hidden_size, "layers": config.num_hidden_layers, "vocab": config.vocab_size,
             "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
             "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
-            "intermediate": config.intermediate_size}
+            "intermediate": config.intermediate_size, "model_type": config.model_type,
+            "linears": tuple((name.rsplit(".", 1)[-1], mod.in_features, mod.out_features)
+                             for name, mod in net.named_modules() if isinstance(mod, torch.nn.Linear))}
+
+
+def lora_parameters(cfg, m):
+    """The adapters' trainable parameters: r * (in + out) for each linear layer LoRA targets (PEFT's
+    per-architecture default, a list of names, or all-linear: every linear layer but the output head)."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+    targets = target_modules(cfg.lora_target_modules) or DEFAULTS.get(m["model_type"])
+    if targets is None:
+        raise ValueError(f"PEFT has no default LoRA targets for {m['model_type']}: pass --lora_target_modules")
+    adapted = [(i, o) for name, i, o in m["linears"]
+               if (name != "lm_head" if targets == "all-linear" else name in targets)]
+    return sum(cfg.lora_r * (i + o) for i, o in adapted)
 
 
 def model_states(P, L, d, stage, offload, N):
@@ -123,14 +143,17 @@ def plan_memory(cfg, world_size=1, gpu_gb=None):
                          "raise --max_model_len")
     gpu_gb = gpu_gb or cfg.plan_gpu_gb or detected_gpu_gb()
     m, d, N, gpu = count_parameters(cfg.model), DTYPE_BYTES[dtype], world_size, gpu_gb * GB
-    P = m["params"]
+    P, L = m["params"], m["largest_layer_params"]
+    A = lora_parameters(cfg, m) if cfg.use_peft else P  # the parameters that train
 
     # ALGO LOGIC: one training GPU
-    trainer, host_per_rank = model_states(P, m["largest_layer_params"], d, stage, offload, N)
+    trainer, host_per_rank = model_states(A, 0 if cfg.use_peft else L, d, stage, offload, N)
+    if cfg.use_peft:  # the frozen base: weights only, partitioned under ZeRO-3 like the rest
+        trainer["weights"] += d * P / N + d * L if stage == 3 else d * P
     seqs = min(per_part or prompts, prompts) * G  # sequences in one forward/backward
     trainer["activations"] = activation_bytes(m, d, seqs, seq_len, new_tokens, checkpointing)
-    bucket = d * (min(BUCKET_ELEMENTS, P) if stage == 0 else BUCKET_ELEMENTS)
-    step_copy = d * P / N if stage and not offload else 0  # what step() holds beyond the estimators (docstring)
+    bucket = d * (min(BUCKET_ELEMENTS, A) if stage == 0 or cfg.use_peft else BUCKET_ELEMENTS)
+    step_copy = d * A / N if stage and not offload else 0  # what step() holds beyond the estimators (docstring)
     # CUDA context and cuBLAS/NCCL workspaces, a gradient bucket, step()'s copy, allocator fragmentation
     trainer["margin"] = 1 * GB + bucket + step_copy + 0.1 * trainer["activations"]
     trainer["total"] = sum(trainer.values())
@@ -145,7 +168,7 @@ def plan_memory(cfg, world_size=1, gpu_gb=None):
 
     # ALGO LOGIC: host RAM of the node (all `world_size` ranks on it)
     host = {"load": d * P * N, "optimizer_offload": host_per_rank * N,
-            "staging": d * P if offload and stage < 3 else 0}  # ZeRO-1/2 offload: a d-byte copy of each partition
+            "staging": d * A if offload and stage < 3 else 0}  # ZeRO-1/2 offload: a d-byte copy of each partition
     host["model_states"] = max(4 * P * N, host["optimizer_offload"])  # what DeepSpeed's estimators count
     host["total"] = max(host["load"], host["optimizer_offload"] + host["staging"])
 
@@ -154,7 +177,8 @@ def plan_memory(cfg, world_size=1, gpu_gb=None):
         tries = (["--dtype bfloat16"] if d == 4 else []) \
             + ([("--zero_stage 2 " if stage == 0 else "") + "--offload_optimizer"] if not offload else []) \
             + (["--gradient_checkpointing"] if not checkpointing else []) \
-            + (["--micro_batch_groups 1"] if seqs > G else []) + (["--zero_stage 3 with more ranks"] if N < 8 else [])
+            + (["--micro_batch_groups 1"] if seqs > G else []) + (["--use_peft"] if not cfg.use_peft else []) \
+            + (["--zero_stage 3 with more ranks"] if N < 8 else [])
         reasons[0] += ": try " + ", ".join(tries or ["a GPU with more memory"])
     if not uses_vllm:
         gen = {key: 0 for key in gen}
@@ -171,6 +195,7 @@ def plan_memory(cfg, world_size=1, gpu_gb=None):
                        f"{gen_memory} gives it (--gen_memory {least} would do)")
     fits = trainer["total"] <= gpu and (gen["needs"] <= gen["takes"] or not uses_vllm)
     settings = dict(dtype=dtype, zero_stage=stage, offload_optimizer=offload, gradient_checkpointing=checkpointing,
+                    lora=f"r={cfg.lora_r}, {A / 1e6:.1f}M trainable" if cfg.use_peft else None,
                     world_size=N, gpu_gb=gpu_gb, gen_memory=gen_memory, sequences_per_pass=seqs, seq_len=seq_len,
                     max_new_tokens=new_tokens)
     return {"model": m, **settings, "trainer": trainer, "trainer_gb": {row: b / GB for row, b in trainer.items()},
@@ -184,7 +209,8 @@ def format_plan(plan):
     m, t, g, h = plan["model"], plan["trainer"], plan["generation"], plan["host"]
     options = [plan["dtype"], f"ZeRO-{plan['zero_stage']}", f"{plan['world_size']} training rank(s)"] \
         + (["optimizer offload"] if plan["offload_optimizer"] else []) \
-        + (["gradient checkpointing"] if plan["gradient_checkpointing"] else [])
+        + (["gradient checkpointing"] if plan["gradient_checkpointing"] else []) \
+        + ([f"LoRA {plan['lora']}"] if plan["lora"] else [])
     lines = [f"memory plan: {m['architecture']}, {m['params'] / 1e9:.2f}B parameters, " + ", ".join(options),
              f"  {plan['sequences_per_pass']} sequences per forward/backward of up to {plan['seq_len']} tokens "
              f"({plan['max_new_tokens']} new)",
