@@ -30,7 +30,6 @@ from grpo_math import completion_mask, is_truncated
 from simple_grpo.devices import max_over_ranks
 from simple_grpo.flags import flag, parse_flags
 from simple_grpo.generation.hf_sampler import generate
-from simple_grpo.lora import reference_logps
 from simple_grpo.protocol import post_groups, ref_request, take_group, uses_ref_server
 from simple_grpo.rollouts import collate, make_groups, rollout_stats, score_groups
 from simple_grpo.run.checkpoints import check_run_dir, open_run, save_checkpoint
@@ -44,7 +43,7 @@ from simple_grpo.task.problems import make_prompt, stop_token_ids
 from simple_grpo.trainer.config import TrainerConfig, check_options
 from simple_grpo.trainer.deepspeed_engine import make_engine
 from simple_grpo.trainer.memory_plan import show_plan
-from simple_grpo.trainer.update import grpo_update
+from simple_grpo.trainer.update import grpo_update, reference_logps
 
 
 @dataclass
@@ -118,7 +117,7 @@ def main(cfg: Config):
             groups = [g for g, keep in zip(groups, has_signal.tolist()) if keep] or groups[:1]
 
         # GRPO 3. reference log-probs for the KL term: from the server, or with LoRA from our own model with
-        # its adapters off (simple_grpo/lora.py); none needed when beta is 0
+        # its adapters off (simple_grpo/trainer/update.py); none needed when beta is 0
         stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 1.0, "grad_norm": 0.0}
         t1 = time.time()
         if groups:

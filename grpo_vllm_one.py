@@ -47,7 +47,6 @@ from simple_grpo.generation.vllm_sampler import sample, start_vllm
 from simple_grpo.generation.weight_sync import WeightSender, receive_weights, sync_weights
 from simple_grpo.generation.workers import (check_workers, draws_to_resume, local_world_size, start_workers,
                                             stop_workers, take_local_group, watch_parent)
-from simple_grpo.lora import reference_logps
 from simple_grpo.protocol import post_groups, ref_request, take_group, uses_ref_server
 from simple_grpo.rollouts import collate, make_groups, rollout_stats, score_groups
 from simple_grpo.run.checkpoints import check_run_dir, open_run, save_checkpoint
@@ -62,7 +61,7 @@ from simple_grpo.task.rewards import extract_answer
 from simple_grpo.trainer.config import TrainerConfig, check_options
 from simple_grpo.trainer.deepspeed_engine import make_engine
 from simple_grpo.trainer.memory_plan import show_plan
-from simple_grpo.trainer.update import grpo_update
+from simple_grpo.trainer.update import grpo_update, reference_logps
 
 
 @dataclass

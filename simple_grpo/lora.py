@@ -4,7 +4,8 @@ Each adapted linear layer computes W x + (lora_alpha / lora_r) * B A x, with W f
 B (out x r) trained; B starts at zero, so step 0's policy is the base model exactly. PEFT does the
 wrapping. Two things follow for GRPO:
 - the reference model is free: the same model with its adapters switched off is the base, exactly as
-  loaded, so the KL term needs no second copy of the weights and no reference server;
+  loaded, so the KL term needs no second copy of the weights and no reference server
+  (trainer/update.py's reference_logps);
 - gradients, Adam's moments and fp32 master weights exist only for A and B (the memory plan counts them).
 vLLM samples with the adapters merged into the weights it already holds (generation/weight_sync.py).
 A checkpoint's step_N/ holds the adapters in PEFT's format; evaluate.py and tools/merge_lora.py make
@@ -14,8 +15,6 @@ import json
 import os
 
 import torch
-
-from grpo_math import sequence_logps
 
 
 def target_modules(spec):
@@ -36,22 +35,6 @@ def add_adapters(model, cfg):
         return get_peft_model(model, config)
     except ValueError as e:  # e.g. a target module name the model does not have
         raise SystemExit(f"--use_peft: PEFT could not add the adapters ({e})") from None
-
-
-def reference_logps(engine, batch, cfg):
-    """The reference's per-token log-probs of the batch's completions: this very model with its adapters
-    switched off, i.e. the frozen base, a few groups at a time (cfg.micro_batch_groups), no gradient."""
-    Q = batch["prompt_ids"].size(0)
-    G, per_part = batch["completion_ids"].size(0) // Q, cfg.micro_batch_groups or Q
-    parts = []
-    with engine.module.disable_adapter(), torch.no_grad():
-        for q0 in range(0, Q, per_part):
-            q1 = min(q0 + per_part, Q)
-            parts.append(sequence_logps(engine, batch["prompt_ids"][q0:q1].to(engine.device),
-                                        batch["prompt_mask"][q0:q1].to(engine.device),
-                                        batch["completion_ids"][q0 * G:q1 * G].to(engine.device), cfg.temperature,
-                                        impl=cfg.loss_impl).float().cpu())
-    return torch.cat(parts)
 
 
 def merged_weights(module):

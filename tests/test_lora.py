@@ -18,14 +18,13 @@ import json, sys, torch
 from grpo_math import completion_mask, kl_estimate, sequence_logps
 from grpo_train import Config
 from simple_grpo.generation.hf_sampler import generate
-from simple_grpo.lora import reference_logps
 from simple_grpo.protocol import post_groups, take_group
 from simple_grpo.rollouts import collate, make_groups, score_groups
 from simple_grpo.task.config import load_data
 from simple_grpo.task.problems import make_prompt, stop_token_ids
 from simple_grpo.trainer.config import check_options
 from simple_grpo.trainer.deepspeed_engine import make_engine
-from simple_grpo.trainer.update import grpo_update
+from simple_grpo.trainer.update import grpo_update, reference_logps
 
 cfg = Config(use_peft=True, lora_dropout=0.0, lora_target_modules="all-linear", lr=2e-3, beta=0.04,
              batch_prompts=4, ref_url=sys.argv[1], threads=2)

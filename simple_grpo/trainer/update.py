@@ -9,6 +9,29 @@ from simple_grpo.run.metrics import add_part_stats
 from simple_grpo.trainer.deepspeed_engine import grad_norm
 
 
+def micro_batches(batch, cfg):
+    """The batch's groups Q, its group size G, and the (first, end) group ranges of its forward/backward
+    passes: cfg.micro_batch_groups groups each (0: all Q in one)."""
+    Q = batch["prompt_ids"].size(0)
+    G, per_part = batch["completion_ids"].size(0) // Q, cfg.micro_batch_groups or Q
+    return Q, G, [(q, min(q + per_part, Q)) for q in range(0, Q, per_part)]
+
+
+def reference_logps(engine, batch, cfg):
+    """With LoRA (--use_peft, simple_grpo/lora.py), the reference's per-token log-probs of the batch's
+    completions: this very model with its adapters switched off, i.e. the frozen base, a micro-batch at a
+    time, no gradient."""
+    _, G, parts = micro_batches(batch, cfg)
+    logps = []
+    with engine.module.disable_adapter(), torch.no_grad():
+        for q0, q1 in parts:
+            logps.append(sequence_logps(engine, batch["prompt_ids"][q0:q1].to(engine.device),
+                                        batch["prompt_mask"][q0:q1].to(engine.device),
+                                        batch["completion_ids"][q0 * G:q1 * G].to(engine.device), cfg.temperature,
+                                        impl=cfg.loss_impl).float().cpu())
+    return torch.cat(logps)
+
+
 def grpo_update(engine, batch, cfg, stop_ids, weight=1.0):
     """The GRPO update on one collated batch: the loss's diagnostics, and the per-token log-probs.
 
@@ -24,9 +47,7 @@ def grpo_update(engine, batch, cfg, stop_ids, weight=1.0):
     the last iteration's per-token log-probs (for the completions log)."""
     batch = {k: v.to(engine.device) for k, v in batch.items()}
     mask = completion_mask(batch["completion_ids"], stop_ids, cfg.mask_truncated_completions)
-    Q = batch["prompt_ids"].size(0)
-    G, per_part = batch["completion_ids"].size(0) // Q, cfg.micro_batch_groups or Q
-    parts = [(q, min(q + per_part, Q)) for q in range(0, Q, per_part)]
+    Q, G, parts = micro_batches(batch, cfg)
     token_mean = cfg.loss_type in ("bnpo", "dapo", "cispo")  # the others average over sequences first
     old_logps, sampler_logps, skipped, norm = batch.get("old_logps"), None, 0, None
     tis_cap = getattr(cfg, "tis_cap", 0.0)  # grpo_vllm_one's option: only it has a sampler of its own
