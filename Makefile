@@ -5,7 +5,7 @@
 # Both create .venv/ and install the requirements on first use (tools/install.sh).
 PY := .venv/bin/python
 
-.PHONY: install demo test test-all bench-trl data model smollm2 probe report chromium clean
+.PHONY: install demo test test-all bench-trl bench-lora data model smollm2 probe report chromium clean
 
 install:
 	@bash tools/install.sh
@@ -26,6 +26,13 @@ test-all: install
 bench-trl: install
 	@bash tools/install.sh requirements-bench.txt
 	$(PY) bench/compare_trl.py --steps 30 --skip 3 --lengths 32,256
+
+# A GRPO step with LoRA and without (README "LoRA"): the tiny model, then SmolLM2-135M with rewards it can earn.
+bench-lora: smollm2
+	$(PY) bench/lora.py
+	$(PY) bench/lora.py --model $$($(PY) -c "from tools.fetch_smollm2 import model_dir; print(model_dir())") \
+	    --steps 8 --skip 2 --lr 1e-5 -- --batch_prompts 2 --num_generations 4 --max_new_tokens 64 \
+	    --reward_file tests/signal_rewards.py --reward_funcs mentions_answer,brevity --reward_weights 1,0.5
 
 # Rebuild the committed tiny world from its seeds (no run needs this).
 data: install
