@@ -1,11 +1,12 @@
 # Two commands do the whole set-up on a fresh machine (Python 3.11 and pip):
 #   make demo   the main job: GRPO on the tiny default world, before/after (CPU is fine; SEED=1 for another
 #               seed, TRAINER=grpo_train for the simple trainer instead of grpo_vllm_one, LORA=1 for adapters)
+#   make demo-real   a real pretrained model (SmolLM2-135M-Instruct) learns on this CPU (SEED=1 for another seed)
 #   make test   the test suite (what CI runs); `make test-all` adds the slow end-to-end tests
 # Both create .venv/ and install the requirements on first use (tools/install.sh).
 PY := .venv/bin/python
 
-.PHONY: install demo test test-all bench-trl bench-lora data model smollm2 probe report chromium clean
+.PHONY: install demo demo-real test test-all bench-trl bench-lora data model smollm2 probe report chromium clean
 
 install:
 	@bash tools/install.sh
@@ -15,6 +16,10 @@ TRAINER ?= grpo_vllm_one
 LORA ?=
 demo: install
 	$(PY) tools/demo.py --seed $(SEED) --trainer $(TRAINER) $(if $(LORA),--lora)
+
+# SmolLM2-135M-Instruct: fetch (cached), format warm start (cached), probe, GRPO with LoRA, before/after (tools/demo_real.py)
+demo-real: smollm2
+	$(PY) tools/demo_real.py --seed $(SEED)
 
 test: install
 	$(PY) -m pytest -q -m "not slow"

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from simple_grpo.evaluation import context_length, hf_generate, summarize, vllm_generate
+from simple_grpo.evaluation import context_length, hf_generate, summarize, vllm_generate, write_details
 from simple_grpo.flags import flag, parse_flags
 from simple_grpo.lora import is_adapter_dir, merge_adapter_dir
 from simple_grpo.task.config import DataConfig, load_data
@@ -45,6 +45,8 @@ class EvalConfig(DataConfig):
     dtype: str = flag("float32", "float32 or bfloat16, in either backend")
     seed: int = flag(0, "seed of the sampling")
     json: bool = flag(False, "print one last JSON line with the figures")
+    details: str = flag("", "also write each problem's question, completions and scores to this .jsonl "
+                            "(tools/demo_real.py pairs two of them)")
 
 
 def print_table(metrics, title):
@@ -76,7 +78,7 @@ def evaluate(cfg: EvalConfig, label=None):
             backend = "hf"
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format) for p in problems]
+    prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format, cfg.system_prompt) for p in problems]
     stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)
     max_model_len = context_length(tokenizer, prompts, cfg.max_new_tokens, cfg.model)
     t0 = time.time()
@@ -94,6 +96,8 @@ def evaluate(cfg: EvalConfig, label=None):
     else:
         raise SystemExit(f"unknown --backend {cfg.backend!r}: use auto, vllm or hf")
     metrics = summarize(problems, completions, lengths)
+    if cfg.details:
+        write_details(cfg.details, problems, completions)
     metrics["seconds"] = round(time.time() - t0, 1)
     if cfg.samples == 1:
         metrics.pop("pass_at_k")

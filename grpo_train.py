@@ -98,7 +98,7 @@ def main(cfg: Config):
         t0 = time.time()
         # GRPO 1. sample G completions per problem with the current policy (simple_grpo/generation/hf_sampler.py)
         batch_problems = rng.sample(problems, B * world)[rank * B:(rank + 1) * B]
-        prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format) for p in batch_problems]
+        prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format, cfg.system_prompt) for p in batch_problems]
         prompt_ids, prompt_mask, completion_ids = generate(engine.module, tokenizer, prompts, cfg, stop_ids, synced)
         mask = completion_mask(completion_ids, stop_ids)
         texts = tokenizer.batch_decode(completion_ids * mask.long() + tokenizer.pad_token_id * (1 - mask.long()),

@@ -133,7 +133,7 @@ def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
         # GRPO 1. sample G completions per problem with the current policy (vLLM), with their log-probs
         t0 = time.time()
         batch_problems, draws = rng.sample(problems, cfg.batch_prompts) + ask_again, draws + 1
-        prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format) for p in batch_problems]
+        prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format, cfg.system_prompt) for p in batch_problems]
         prompt_rows, completion_ids, old_logps = sample(llm, prompts, cfg, stop_ids)
         mask = completion_mask(completion_ids, stop_ids)
         texts = tokenizer.batch_decode(completion_ids * mask.long() + tokenizer.pad_token_id * (1 - mask.long()),

@@ -65,7 +65,7 @@ def main():
     tokenizer = llm.get_tokenizer()
     stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)
     problems = load_data(cfg)[:args.prompts]
-    prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format) for p in problems]
+    prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format, cfg.system_prompt) for p in problems]
     t0 = time.time()
     prompt_rows, completion_ids, sampler_logps = sample(llm, prompts, cfg, stop_ids)
     print(f"vLLM sampled {completion_ids.size(0)} completions in {time.time() - t0:.1f} s", file=sys.stderr, flush=True)

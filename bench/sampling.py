@@ -61,7 +61,7 @@ def main():
         run_cfg = dataclasses.replace(cfg, max_new_tokens=length, min_new_tokens=length)
         times = []
         for _ in range(args.repeats):
-            prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format)
+            prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format, cfg.system_prompt)
                        for p in rng.sample(problems, cfg.batch_prompts)]
             t0 = time.time()
             sample(llm, prompts, run_cfg, stop_ids)

@@ -1,5 +1,8 @@
 """What evaluate.py and the tools share to measure a model: completions from transformers or vLLM, the
-rates they score (the training rewards), and the context length a generation needs."""
+rates they score (the training rewards), each problem's scores, the paired gain between two models on
+the same problems, and the context length a generation needs."""
+import json
+import math
 import os
 
 import torch
@@ -74,6 +77,36 @@ def summarize(problems, completions, lengths):
         "n": len(problems),
         "samples": len(completions[0]),
     }
+
+
+def write_details(path, problems, completions):
+    """One line per problem: its question, reference answer, completions and their scores."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for p, cs in zip(problems, completions):
+            answer = reference_answer(p["answer"])
+            f.write(json.dumps({"question": p["question"], "answer": answer, "completions": cs,
+                                "scores": [score(c, answer) for c in cs]}) + "\n")
+
+
+def read_details(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def paired_gain(before, after, key="correctness"):
+    """The gain in `key` from one model to another on the same problems (write_details rows, first
+    completion of each), with its 95% interval: mean of the per-problem differences +- 1.96 standard
+    errors (a paired comparison: each problem is its own control)."""
+    if [r["question"] for r in before] != [r["question"] for r in after]:
+        raise ValueError("the two evaluations are not on the same problems in the same order")
+    diffs = [a["scores"][0][key] - b["scores"][0][key] for b, a in zip(before, after)]
+    n = len(diffs)
+    gain = sum(diffs) / n
+    sd = math.sqrt(sum((d - gain) ** 2 for d in diffs) / (n - 1)) if n > 1 else 0.0
+    half = 1.96 * sd / math.sqrt(n)
+    return {"gain": gain, "ci95": [gain - half, gain + half], "n": n,
+            "won": sum(d > 0 for d in diffs), "lost": sum(d < 0 for d in diffs)}
 
 
 def context_length(tokenizer, prompts, max_new_tokens, model_dir):

@@ -1,8 +1,13 @@
 """evaluate.py on the shipped model: the accuracy and format windows that leave RL room to gain."""
 import json
+import math
 import os
 import subprocess
 import sys
+
+import pytest
+
+from simple_grpo.evaluation import paired_gain, read_details
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,3 +43,26 @@ def test_greedy_with_several_samples_is_refused():
     out = subprocess.run([sys.executable, "evaluate.py", "--samples", "4"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "--temperature" in out.stderr
+
+
+def test_details_hold_each_problem_and_pair_into_a_gain(tmp_path):
+    path = tmp_path / "details.jsonl"
+    result = run_evaluate("--n", "40", "--details", str(path))
+    rows = read_details(path)
+    assert len(rows) == 40 and rows[0]["answer"] and len(rows[0]["completions"]) == 1
+    assert sum(r["scores"][0]["correctness"] for r in rows) / 40 == result["accuracy"]
+    same = paired_gain(rows, rows)  # a model against itself gains nothing, with no spread
+    assert same["gain"] == 0 and same["ci95"] == [0, 0] and same["won"] == same["lost"] == 0
+
+
+def test_paired_gain_is_the_mean_difference_with_its_interval():
+    def rows(correct):
+        return [{"question": f"q{i}", "scores": [{"correctness": float(c)}]} for i, c in enumerate(correct)]
+    before, after = rows([0, 0, 0, 1, 1, 0, 0, 0]), rows([1, 1, 0, 1, 0, 1, 0, 0])
+    gain = paired_gain(before, after)
+    # differences 1, 1, 0, 0, -1, 1, 0, 0: mean 0.25; squared deviations 3 * 0.75^2 + 4 * 0.25^2 + 1.25^2 = 3.5
+    assert gain["gain"] == 0.25 and gain["won"] == 3 and gain["lost"] == 1
+    half = 1.96 * math.sqrt(3.5 / 7) / math.sqrt(8)
+    assert gain["ci95"] == pytest.approx([0.25 - half, 0.25 + half])
+    with pytest.raises(ValueError, match="not on the same problems"):
+        paired_gain(before, after[::-1])

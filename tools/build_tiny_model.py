@@ -17,7 +17,6 @@
 import json
 import os
 import random
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ sys.path.insert(0, ROOT)
 from simple_grpo.task.problems import SYSTEM_PROMPT, chat_prompt, load_jsonl  # noqa: E402
 from simple_grpo.evaluation import hf_generate, summarize  # noqa: E402
 from simple_grpo.flags import flag, parse_flags  # noqa: E402
-from simple_grpo.task.rewards import reference_answer  # noqa: E402
+from simple_grpo.task.warm_start import make_batch, sft_target  # noqa: E402
 
 TAGS = ["<think>", "</think>", "<answer>", "</answer>"]
 # Qwen's ChatML layout; a system message is used only when given.
@@ -57,27 +56,6 @@ class BuildConfig:
     in_format_share: float = flag(0.55, "share of supervised targets written in the <think>/<answer> format")
 
 
-def solution_steps(gsm8k_answer):
-    """'She buys 7 more: 12+7=<<12+7=19>>19\\n...\\n#### 19' -> '12+7=19\\n...'"""
-    lines = gsm8k_answer.split("\n")[:-1]
-    return "\n".join(re.sub(r"<<.*?>>", "", line.split(": ", 1)[1]) for line in lines)
-
-
-def sft_target(problem, rng, in_format_share):
-    """One supervised completion: in format with probability in_format_share, else one of
-    three out-of-format styles (so format is learnable by RL, and greedy stays in format)."""
-    steps, answer = solution_steps(problem["answer"]), reference_answer(problem["answer"])
-    u = rng.random()
-    if u < in_format_share:
-        return f"<think>{steps}</think><answer>{answer}</answer>"
-    u = (u - in_format_share) / (1 - in_format_share)
-    if u < 0.45:
-        return f"<think>{steps}</think>The answer is {answer}."  # answer outside the tags
-    if u < 0.75:
-        return f"<answer>{answer}</answer>"  # no reasoning (usually wrong for a small model)
-    return f"The answer is {answer}."
-
-
 def build_tokenizer(texts, vocab_size):
     """A byte-level BPE trained on `texts`, built exactly like Qwen2's tokenizer (transformers
     loads any qwen2 model's tokenizer as Qwen2Tokenizer, with Qwen's pre-tokenizer regex),
@@ -100,21 +78,6 @@ def build_tokenizer(texts, vocab_size):
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
-
-
-def make_batch(tokenizer, prompts, targets):
-    """input_ids and labels (-100 on prompt and padding) for next-token training, (B, T)."""
-    rows = [tokenizer(p, add_special_tokens=False)["input_ids"] +
-            tokenizer(t + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
-            for p, t in zip(prompts, targets)]
-    n_prompt = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
-    T = max(map(len, rows))
-    ids = torch.full((len(rows), T), tokenizer.pad_token_id)
-    labels = torch.full((len(rows), T), -100)
-    for i, (row, n) in enumerate(zip(rows, n_prompt)):
-        ids[i, :len(row)] = torch.tensor(row)
-        labels[i, n:len(row)] = torch.tensor(row[n:])
-    return ids, labels
 
 
 def main(cfg: BuildConfig):
@@ -151,7 +114,8 @@ def main(cfg: BuildConfig):
     for step in bar:
         idx = rng.sample(range(len(train)), cfg.batch_size)
         ids, labels = make_batch(tokenizer, [train_prompts[i] for i in idx],
-                                 [sft_target(train[i], rng, cfg.in_format_share) for i in idx])
+                                 [sft_target(train[i], rng, cfg.in_format_share) for i in idx],
+                                 tokenizer.eos_token)
         model.train()
         loss = model(input_ids=ids, attention_mask=ids != tokenizer.pad_token_id, labels=labels).loss
         loss.backward()

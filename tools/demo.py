@@ -20,7 +20,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-from simple_grpo.run.launch import MODEL, ROOT, TINY_WORLD_FLAGS, evaluate, free_port, start_ref_server  # noqa: E402
+from simple_grpo.run.launch import MODEL, ROOT, TINY_WORLD_FLAGS, evaluate, free_port, start_ref_server, stop  # noqa: E402
 
 # LoRA on the tiny model: adapters on every linear layer; lr 3e-4 (1e-3 learned less, and lost on seed 1:
 # docs/benchmarks.md, LoRA)
@@ -55,13 +55,7 @@ def main():
         if trainer.wait() != 0:
             raise SystemExit(f"{args.trainer}.py failed with exit code {trainer.returncode}")
     finally:  # stop what we started; the trainer stops its own generation worker
-        for proc in (trainer, server):
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        stop(trainer), stop(server)
     after = evaluate(os.path.join("runs", run_name, f"step_{args.steps}"), env)
     keep = ("accuracy", "format_rate", "accuracy_in_format", "n")
     report = {"before": {k: before[k] for k in keep}, "after": {k: after[k] for k in keep},

@@ -52,7 +52,7 @@ def main(cfg):
     stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)
 
     print(f"1. THE PROMPT ({'chat template applied' if cfg.prompt_format == 'chat' else 'raw text'})\n")
-    prompt = make_prompt(tokenizer, problem["question"], cfg.prompt_format)
+    prompt = make_prompt(tokenizer, problem["question"], cfg.prompt_format, cfg.system_prompt)
     print(prompt, f"\n(reference answer: {problem['answer'].split('####')[-1].strip()})\n")
 
     print(f"2. G = {G} COMPLETIONS, sampled at temperature {cfg.temperature}, and their rewards\n")

@@ -177,7 +177,7 @@ def probe(cfg):
     problems = load_first_problems(cfg)
     tokenizer = load_tokenizer(cfg)
     G = cfg.num_generations
-    prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format) for p in problems]
+    prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format, cfg.system_prompt) for p in problems]
     stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)
     if not cfg.max_model_len:
         cfg.max_model_len = context_length(tokenizer, prompts, cfg.max_new_tokens, cfg.model)

@@ -17,6 +17,16 @@ MODEL, TEST = "models/tiny-math", "data/toy_math/test.jsonl"
 TINY_WORLD_FLAGS = ["--lr", "1e-4"]
 
 
+def stop(proc, grace=30):
+    """Ends a child process that is still running: SIGTERM, then SIGKILL after `grace` seconds."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -41,9 +51,10 @@ def start_ref_server(port, env, *args, token="", script="ref_server.py"):
     raise SystemExit(f"{script} did not answer /health within 120 s")
 
 
-def evaluate(model_dir, env, data=TEST):
-    """Greedy evaluation by evaluate.py in a subprocess: prints its table, returns its figures."""
-    out = subprocess.run([sys.executable, "evaluate.py", "--model", model_dir, "--dataset", data, "--json"],
+def evaluate(model_dir, env, data=TEST, args=()):
+    """Greedy evaluation by evaluate.py in a subprocess (extra flags in args): prints its table, returns
+    its figures."""
+    out = subprocess.run([sys.executable, "evaluate.py", "--model", model_dir, "--dataset", data, "--json", *args],
                          cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, check=True)
     table, last = out.stdout.rstrip().rsplit("\n", 1)
     print(table, flush=True)

@@ -4,7 +4,7 @@ tools/probe.py and tools/explain_step.py extend TaskConfig; evaluate.py extends 
 model and the problems)."""
 from dataclasses import dataclass
 
-from simple_grpo.task.problems import load_problems
+from simple_grpo.task.problems import SYSTEM_PROMPT, load_problems
 from simple_grpo.flags import flag
 from simple_grpo.task.rewards import load_reward_file, parse_reward_spec
 
@@ -19,6 +19,8 @@ class DataConfig:
     question_field: str = flag("question", "the field holding the question")
     answer_field: str = flag("answer", 'the field holding the "... #### N" answer')
     prompt_format: str = flag("chat", "chat: the model's chat template; raw: plain text (base models without one)")
+    system_prompt: str = flag(SYSTEM_PROMPT, "the system prompt (default: R1-Zero's); every prompt token costs "
+                                             "compute in each forward pass, and a short one suits a small model")
 
 
 @dataclass

@@ -126,20 +126,20 @@ def load_jsonl(path):
         return _problems(_json_lines(path, f.read()), path, "question", "answer")
 
 
-def chat_prompt(tokenizer, question):
+def chat_prompt(tokenizer, question, system_prompt=SYSTEM_PROMPT):
     """The text the model continues: system prompt + question + the assistant's turn opener."""
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+    messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def make_prompt(tokenizer, question, prompt_format="chat"):
+def make_prompt(tokenizer, question, prompt_format="chat", system_prompt=SYSTEM_PROMPT):
     """The text the model continues. chat: the chat template (instruct models); raw: plain text
     for base models without one. Raw stops at "Assistant:", not "<think>", because the format
     reward looks for the <think> tag in the completion."""
     if prompt_format == "chat":
-        return chat_prompt(tokenizer, question)
+        return chat_prompt(tokenizer, question, system_prompt)
     if prompt_format == "raw":
-        return f"{SYSTEM_PROMPT}\nUser: {question}\nAssistant:"
+        return f"{system_prompt}\nUser: {question}\nAssistant:"
     raise ValueError(f"unknown prompt_format {prompt_format!r}; use 'chat' or 'raw'")
 
 

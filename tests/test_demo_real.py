@@ -1,0 +1,41 @@
+"""make demo-real, short: SmolLM2-135M-Instruct through every stage of tools/demo_real.py (slow).
+
+    python -m pytest -q -m slow tests/test_demo_real.py
+
+Warm start (or its cache), probe, base and before evaluations, 2 GRPO steps with LoRA, the after
+evaluation and the paired gain, on 16 test problems. The figures are the demo's own; whether GRPO
+helps is the full demo's question (README, "A real model on your CPU"), not this test's.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_smollm2 import smollm2  # noqa: F401 - the converted model fixture
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # the warm start alone is ~6 minutes when not cached
+
+
+def test_demo_real_runs_end_to_end_in_short(smollm2):  # noqa: F811
+    run = "test_demo_real"
+    out = subprocess.run([sys.executable, "tools/demo_real.py", "--steps", "2", "--n", "16", "--run_name", run],
+                         cwd=ROOT, capture_output=True, text=True, timeout=2300,
+                         env=dict(os.environ, SIMPLE_GRPO_SMOLLM2=smollm2))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(report) == {"base", "before", "after", "gain", "minutes"}
+    for name in ("base", "before", "after"):
+        assert report[name]["n"] == 16 and 0 <= report[name]["accuracy"] <= 1, report[name]
+    assert report["before"]["format_rate"] > report["base"]["format_rate"]  # the warm start taught some format
+    low, high = report["gain"]["ci95"]
+    assert low <= report["gain"]["accuracy"] <= high
+    assert report["gain"]["accuracy"] == pytest.approx(report["after"]["accuracy"] - report["before"]["accuracy"],
+                                                       abs=1e-3)
+    assert "verdict:" in out.stdout  # the probe spoke
+    run_dir = os.path.join(ROOT, "runs", run)
+    for name in ("config.json", "metrics.jsonl", "report.html", "eval_base.jsonl", "eval_after.jsonl",
+                 "step_2/adapter_model.safetensors"):
+        assert os.path.isfile(os.path.join(run_dir, name)), name

@@ -1,0 +1,66 @@
+"""tools/warm_start.py on the tiny model: it trains and saves a model that loads, caches by recipe, and
+refuses bad flags by name. (SmolLM2's own warm start runs in tests/test_demo_real.py, slow.)"""
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoTokenizer
+
+from simple_grpo.task.problems import load_jsonl, make_prompt
+from simple_grpo.task.warm_start import make_batch, sft_target, solution_steps
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHORT_PROMPT = "Think in <think> </think>, answer in <answer> </answer>."
+
+
+def warm_start(out, *args):
+    return subprocess.run([sys.executable, "tools/warm_start.py", "--model", "models/tiny-math", "--out", str(out),
+                           "--steps", "2", "--batch_size", "2", "--system_prompt", SHORT_PROMPT, *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_targets_are_the_solution_in_format_or_another_style():
+    problem = load_jsonl(os.path.join(ROOT, "data/toy_math/train.jsonl"))[0]
+    steps = solution_steps(problem["answer"])
+    assert steps == "39+11=50\n50/5=10"
+    rng = random.Random(0)
+    styles = {sft_target(problem, rng, 0.5) for _ in range(200)}
+    assert f"<think>{steps}</think><answer>10</answer>" in styles
+    assert styles == {f"<think>{steps}</think><answer>10</answer>", f"<think>{steps}</think>The answer is 10.",
+                      "<answer>10</answer>", "The answer is 10."}
+    assert {sft_target(problem, rng, 1.0) for _ in range(20)} == {f"<think>{steps}</think><answer>10</answer>"}
+
+
+def test_the_batch_trains_on_the_target_and_the_turn_end_only():
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "models/tiny-math"))
+    prompt = make_prompt(tokenizer, "Tom has 3 pens. How many?", "chat", SHORT_PROMPT)
+    assert SHORT_PROMPT in prompt
+    ids, labels = make_batch(tokenizer, [prompt], ["<answer>3</answer>"], tokenizer.eos_token)
+    trained = labels[0][labels[0] != -100].tolist()
+    assert tokenizer.decode(trained) == "<answer>3</answer>" + tokenizer.eos_token
+    assert ids[0, -len(trained):].tolist() == trained
+
+
+def test_it_saves_a_model_then_reuses_it_and_refuses_other_flags(tmp_path):
+    out = tmp_path / "warm"
+    first = warm_start(out)
+    assert first.returncode == 0, first.stderr[-2000:]
+    with open(out / "warm_start.json") as f:
+        record = json.load(f)
+    assert [h["step"] for h in record["history"]] == [1, 2] and record["recipe"]["system_prompt"] == SHORT_PROMPT
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(out)  # a whole model directory
+    again = warm_start(out)
+    assert again.returncode == 0 and "already made with these flags" in again.stdout
+    other = warm_start(out, "--lr", "1e-4")
+    assert other.returncode != 0 and "made with other flags" in other.stderr
+
+
+@pytest.mark.parametrize("args, message", [(["--in_format_share", "0"], "--in_format_share"),
+                                           (["--model", "no/such/dir"], "give a model directory")])
+def test_bad_flags_are_named(tmp_path, args, message):
+    result = warm_start(tmp_path / "warm", *args)
+    assert result.returncode != 0 and message in result.stderr
