@@ -55,26 +55,46 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.harness import (BETA, GROUP, LR, PROMPTS, REWARD_WEIGHTS, TEMPERATURE, TRAIN,  # noqa: E402
                            build_deepspeed_ops, run, wait_peak_rss)
-from simple_grpo.run.launch import MODEL, evaluate  # noqa: E402
+from simple_grpo.run import smollm2_recipe  # noqa: E402
+from simple_grpo.run.launch import MODEL, evaluate, smollm2_warm_start  # noqa: E402
+from simple_grpo.task.problems import SYSTEM_PROMPT  # noqa: E402
 
 SYSTEMS = ("trl", "grpo_train", "grpo_vllm_one")
 
 
+def world_settings(world, env):
+    """The work every system gets in a world. tiny: the tiny default model, full training, the settings
+    above, completions of exactly L tokens. smollm2: make demo-real's warm-started SmolLM2-135M-Instruct
+    and its recipe (simple_grpo/run/smollm2_recipe.py): its short system prompt, 4 prompts x 8, LoRA r 16
+    alpha 32 dropout 0.05 on every linear layer, lr 2e-4, beta 0 (no reference model anywhere), and
+    completions that end at EOS, at most L tokens, as in training (forced to L they would run on past
+    the answer and score nothing)."""
+    if world == "tiny":
+        return {"model": MODEL, "system_prompt": SYSTEM_PROMPT, "prompts": PROMPTS, "lr": LR, "beta": BETA,
+                "lora": False, "fixed_length": True, "eval_args": [], "ours": []}
+    _, warm = smollm2_warm_start(env)
+    recipe = smollm2_recipe
+    return {"model": warm, "system_prompt": recipe.SYSTEM_PROMPT, "prompts": recipe.PROMPTS, "lr": recipe.LR,
+            "beta": recipe.BETA, "lora": True, "fixed_length": False,
+            "eval_args": ["--system_prompt", recipe.SYSTEM_PROMPT, *recipe.EVAL_FLAGS], "ours": recipe.TRAINER_THREADS}
+
+
 # ---------------------------------------------------------------------------- TRL (child process)
-def trl_train(completion_len, steps, out_dir, gradient_checkpointing, seed):
-    """Train with TRL's GRPOTrainer; one line per step in OUT_DIR/metrics.jsonl, model in OUT_DIR/final."""
+def trl_train(completion_len, steps, out_dir, gradient_checkpointing, seed, w):
+    """Train with TRL's GRPOTrainer; one line per step in OUT_DIR/metrics.jsonl, model in OUT_DIR/final.
+    w: world_settings."""
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from simple_grpo.task.problems import SYSTEM_PROMPT, load_jsonl
+    from simple_grpo.task.problems import load_jsonl
     from simple_grpo.task.rewards import reference_answer, score
 
     torch.set_num_threads(2)
     os.makedirs(out_dir, exist_ok=True)
     problems = load_jsonl(TRAIN)
-    dataset = Dataset.from_list([{"prompt": [{"role": "system", "content": SYSTEM_PROMPT},
+    dataset = Dataset.from_list([{"prompt": [{"role": "system", "content": w["system_prompt"]},
                                              {"role": "user", "content": p["question"]}],
                                   "answer": p["answer"]} for p in problems])
 
@@ -108,28 +128,35 @@ def trl_train(completion_len, steps, out_dir, gradient_checkpointing, seed):
     config = GRPOConfig(
         output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, use_vllm=False, seed=seed,
         model_init_kwargs={"dtype": "float32"},
-        # one optimizer step = one generation batch = 8 prompts x 8 completions, in one micro-batch
-        per_device_train_batch_size=PROMPTS * GROUP, gradient_accumulation_steps=1,
-        num_generations=GROUP, num_iterations=1,
-        max_completion_length=completion_len, generation_kwargs={"min_new_tokens": completion_len},
+        # one optimizer step = one generation batch = prompts x 8 completions, in one micro-batch
+        per_device_train_batch_size=w["prompts"] * GROUP, gradient_accumulation_steps=1,
+        num_generations=GROUP, num_iterations=1, max_completion_length=completion_len,
+        generation_kwargs={"min_new_tokens": completion_len} if w["fixed_length"] else {},
         temperature=TEMPERATURE, top_p=1.0, top_k=0,
-        beta=BETA, loss_type="grpo", scale_rewards="group",  # TRL's default loss is dapo; ours is grpo
-        learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, adam_beta2=0.99, max_grad_norm=1.0,
+        beta=w["beta"], loss_type="grpo", scale_rewards="group",  # TRL's default loss is dapo; ours is grpo
+        learning_rate=w["lr"], lr_scheduler_type="constant", weight_decay=0.0, adam_beta2=0.99, max_grad_norm=1.0,
         gradient_checkpointing=gradient_checkpointing,
         max_steps=steps, logging_steps=1, save_strategy="no", report_to="none")
-    trainer = GRPOTrainer(model=MODEL, reward_funcs=correctness_and_format, args=config, train_dataset=dataset,
-                          callbacks=[StepTimer(os.path.join(out_dir, "metrics.jsonl"))])
+    peft_config = None
+    if w["lora"]:  # our trainers' LoRA defaults, which are TRL's ModelConfig's
+        from peft import LoraConfig
+        peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=smollm2_recipe.LORA_TARGETS,
+                                 task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model=w["model"], reward_funcs=correctness_and_format, args=config, train_dataset=dataset,
+                          callbacks=[StepTimer(os.path.join(out_dir, "metrics.jsonl"))], peft_config=peft_config)
     trainer.train()
     trainer.save_model(os.path.join(out_dir, "final"))  # with the tokenizer
 
 
-def run_trl(completion_len, steps, skip, env, gradient_checkpointing, seed):
+def run_trl(completion_len, steps, skip, env, gradient_checkpointing, seed, world, w):
     """TRL in a fresh process, its peak RSS sampled like our trainers' (bench/harness.py); then evaluated."""
-    out_dir = os.path.join("runs", f"bench_trl_L{completion_len}" + (f"_seed{seed}" if seed else ""))
+    out_dir = os.path.join("runs", f"bench_trl_{'' if world == 'tiny' else world + '_'}L{completion_len}"
+                           + (f"_seed{seed}" if seed else ""))
     t0 = time.time()
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--trl_child", str(completion_len),
                              "--steps", str(steps), "--out_dir", out_dir,
-                             "--trl_gradient_checkpointing", gradient_checkpointing, "--seed", str(seed)],
+                             "--trl_gradient_checkpointing", gradient_checkpointing, "--seed", str(seed),
+                             "--world", world],
                             cwd=ROOT, env=env)
     peak, _ = wait_peak_rss(proc)
     if proc.returncode != 0:
@@ -139,8 +166,8 @@ def run_trl(completion_len, steps, skip, env, gradient_checkpointing, seed):
     if len(rows) != steps:
         raise SystemExit(f"TRL logged {len(rows)} steps, expected {steps}: see {out_dir}/metrics.jsonl")
     timed = rows[skip:]
-    after = evaluate(os.path.join(out_dir, "final"), env)
-    return {"completions_per_s": round(len(timed) * PROMPTS * GROUP / sum(r["step_s"] for r in timed), 2),
+    after = evaluate(os.path.join(out_dir, "final"), env, args=w["eval_args"])
+    return {"completions_per_s": round(len(timed) * w["prompts"] * GROUP / sum(r["step_s"] for r in timed), 2),
             "s_per_step": round(statistics.median(r["step_s"] for r in timed), 3),
             "peak_rss_mb": round(peak / 2**20),
             "completion_len_mean": round(statistics.mean(r["completion_len"] for r in timed), 1),
@@ -148,15 +175,21 @@ def run_trl(completion_len, steps, skip, env, gradient_checkpointing, seed):
 
 
 # ---------------------------------------------------------------------------- our trainers
-def run_ours(trainer, completion_len, steps, skip, env, seed, gen_workers=1, gen_compile=True):
-    flags = ["--batch_prompts", str(PROMPTS), "--num_generations", str(GROUP), "--lr", str(LR),
-             "--beta", str(BETA), "--temperature", str(TEMPERATURE), "--seed", str(seed),
-             "--max_new_tokens", str(completion_len), "--min_new_tokens", str(completion_len)]
+def run_ours(trainer, completion_len, steps, skip, env, seed, world, w, gen_workers=1, gen_compile=True):
+    flags = ["--model", w["model"], "--system_prompt", w["system_prompt"], "--batch_prompts", str(w["prompts"]),
+             "--num_generations", str(GROUP), "--lr", str(w["lr"]), "--beta", str(w["beta"]),
+             "--temperature", str(TEMPERATURE), "--seed", str(seed), "--max_new_tokens", str(completion_len)]
+    flags += ["--min_new_tokens", str(completion_len)] if w["fixed_length"] else []
+    flags += ["--use_peft", "--lora_target_modules", smollm2_recipe.LORA_TARGETS] if w["lora"] else []
+    flags += w["ours"]  # smollm2: the recipe's trainer threads
     if trainer == "grpo_vllm_one":
         flags += ["--max_model_len", "512", "--gen_workers", str(gen_workers)]  # the tiny model's context length
         flags += ["--gen_compile"] if gen_compile else []
-    name = f"bench_{trainer}_L{completion_len}" + (f"_k{gen_workers}" if gen_workers > 1 else "")
-    result = run(trainer, steps, skip, env, flags, run_name=name + (f"_seed{seed}" if seed else ""))
+    name = (f"bench_{trainer}_{'' if world == 'tiny' else world + '_'}L{completion_len}"
+            + (f"_k{gen_workers}" if gen_workers > 1 else ""))
+    # a reference server only where there is a KL term and no LoRA base to stand in for it
+    result = run(trainer, steps, skip, env, flags, run_name=name + (f"_seed{seed}" if seed else ""),
+                 ref_server=w["beta"] > 0 and not w["lora"], eval_args=w["eval_args"])
     result.pop("trainer")
     result["peak_rss_trainer_mb"] = result["peak_rss_mb"]
     result["peak_rss_mb"] = result.pop("peak_rss_with_ref_mb")  # TRL's figure holds its reference model too
@@ -175,11 +208,15 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gen_workers", default="1", help="grpo_vllm_one's generation worker counts, e.g. 1,2")
     ap.add_argument("--gen_compile", default="on", choices=["on", "off"], help="grpo_vllm_one's --gen_compile")
+    ap.add_argument("--world", default="tiny", choices=["tiny", "smollm2"],
+                    help="tiny: the tiny default model; smollm2: make demo-real's warm-started SmolLM2 and recipe")
     ap.add_argument("--trl_child", type=int, default=0, help=argparse.SUPPRESS)  # internal: run TRL, length L
     ap.add_argument("--out_dir", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     if args.trl_child:
-        trl_train(args.trl_child, args.steps, args.out_dir, args.trl_gradient_checkpointing == "on", args.seed)
+        w = world_settings(args.world, env)
+        trl_train(args.trl_child, args.steps, args.out_dir, args.trl_gradient_checkpointing == "on", args.seed, w)
         return
     systems, lengths = args.systems.split(","), [int(x) for x in args.lengths.split(",")]
     for system in systems:
@@ -190,7 +227,7 @@ def main():
     # stdout carries only the JSON lines: everything else (our logs, the children's) goes to stderr
     results_out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    w = world_settings(args.world, env)
     if set(systems) - {"trl"}:
         build_deepspeed_ops(env)
     worker_counts = [int(k) for k in args.gen_workers.split(",")]
@@ -200,11 +237,13 @@ def main():
         for system, k in runs:
             name = system + (f"_k{k}" if k > 1 else "")
             if system == "trl":
-                result = run_trl(completion_len, args.steps, args.skip, env, args.trl_gradient_checkpointing, args.seed)
+                result = run_trl(completion_len, args.steps, args.skip, env, args.trl_gradient_checkpointing, args.seed,
+                                 args.world, w)
             else:
-                result = run_ours(system, completion_len, args.steps, args.skip, env, args.seed, k,
+                result = run_ours(system, completion_len, args.steps, args.skip, env, args.seed, args.world, w, k,
                                   args.gen_compile == "on")
-            result = {"system": name, "completion_len": completion_len, "seed": args.seed, **result,
+            result = {"system": name, "world": args.world, "completion_len": completion_len, "seed": args.seed,
+                      **result,
                       "steps": args.steps, "timed_steps": args.steps - args.skip}
             speed[name, completion_len] = result["completions_per_s"]
             print(json.dumps(result), file=results_out, flush=True)

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import psutil
 
 from simple_grpo.generation.config import GenerationConfig
-from simple_grpo.run.launch import ROOT, TINY_WORLD_FLAGS, evaluate, free_port, start_ref_server
+from simple_grpo.run.launch import ROOT, TINY_WORLD_FLAGS, evaluate, free_port, start_ref_server, stop
 from simple_grpo.run.metrics import read_metrics
 from simple_grpo.trainer.config import TrainerConfig
+from simple_grpo.trainer.deepspeed_engine import clear_stale_build_locks
 
 # The shared settings: every system gets exactly these.
 TRAIN = "data/toy_math/train.jsonl"
@@ -60,17 +61,21 @@ def build_deepspeed_ops(env):
     code = ("import deepspeed; from deepspeed.comm.torch import build_shm_op; "
             "print('DeepSpeed comm op:', 'ready' if build_shm_op() else 'none for this accelerator')")
     extensions = os.path.join(ROOT, ".cache", "torch_extensions")
+    clear_stale_build_locks(extensions)  # a killed build's lock would make this wait forever
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={"TORCH_EXTENSIONS_DIR": extensions, **env},
                    stdout=sys.stderr, check=True)
 
 
-def run(trainer, steps, skip, env, extra, run_name=None):
+def run(trainer, steps, skip, env, extra, run_name=None, ref_server=True, eval_args=()):
+    """A trainer's run of `steps` (tiny world flags, then `extra`), with its own reference server unless
+    ref_server is False (beta 0, or LoRA's base as the reference); timed, its peak memory sampled, evaluated."""
     port = free_port()
-    server = start_ref_server(port, env)
+    server = start_ref_server(port, env) if ref_server else None
     run_name = run_name or f"bench_{trainer}"
     try:
         t0 = time.time()
-        proc = subprocess.Popen([sys.executable, f"{trainer}.py", "--ref_url", f"http://127.0.0.1:{port}",
+        proc = subprocess.Popen([sys.executable, f"{trainer}.py", *(["--ref_url", f"http://127.0.0.1:{port}"]
+                                                                    if server else []),
                                  "--run_name", run_name, "--overwrite", "--steps", str(steps),
                                  "--save_every", str(steps), *TINY_WORLD_FLAGS, *extra],
                                 cwd=ROOT, env=env)
@@ -79,13 +84,12 @@ def run(trainer, steps, skip, env, extra, run_name=None):
             raise SystemExit(f"{trainer}.py failed with exit code {proc.returncode}")
         print(f"{trainer}: {steps} steps in {time.time() - t0:.0f} s with start-up", file=sys.stderr)
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        stop(server)
     rows, _ = read_metrics(os.path.join(ROOT, "runs", run_name, "metrics.jsonl"))  # steps, not the doctor's warnings
     timed = rows[skip:]
     config = json.load(open(os.path.join(ROOT, "runs", run_name, "config.json")))
     completions = len(timed) * config["batch_prompts"] * config["num_generations"]
-    after = evaluate(os.path.join("runs", run_name, f"step_{steps}"), env)
+    after = evaluate(os.path.join("runs", run_name, f"step_{steps}"), env, args=eval_args)
     return {"trainer": trainer,
             "completions_per_s": round(completions / sum(r["step_s"] for r in timed), 2),
             "s_per_step": round(statistics.median(r["step_s"] for r in timed), 3),

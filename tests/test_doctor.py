@@ -74,6 +74,18 @@ def test_kl_after_one_update_names_the_learning_rate(tmp_path):
     assert w["warning"] == "kl" and "KL 239 after 1 update" in w["message"] and "learning rate" in w["message"]
 
 
+def test_the_learning_rate_advice_fits_full_training_or_lora(tmp_path):
+    full, path = doctor(tmp_path / "full", lr=1e-4)
+    (tmp_path / "full").mkdir()
+    full.step(healthy(1, kl=239.0))
+    assert "about 1e-6 in full" in warnings_in(path)[0]["message"]
+    lora, path = doctor(tmp_path / "lora", lr=0.1, use_peft=True)
+    (tmp_path / "lora").mkdir()
+    lora.step(healthy(1, kl=80.0))
+    message = warnings_in(path)[0]["message"]
+    assert "--lr 0.1" in message and "LoRA adapters on a real pretrained model train at about 1e-4" in message
+
+
 def test_kl_jump_fires_and_the_demos_spike_does_not(tmp_path):
     d, path = doctor(tmp_path)
     assert run_steps(d, [healthy(s, kl=0.1) for s in range(1, 20)] + [healthy(20, kl=1.3)]) == []  # 13x: the demo's

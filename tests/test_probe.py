@@ -93,6 +93,10 @@ def test_smollm2_probe_reports_its_figures(smollm2):  # noqa: F811
     assert rc == 0, output[-3000:]
     check_consistent(result, 8, 4, 32)
     save_figures("probe_smollm2", result)
+    # what the untouched model needs, in the verdict: a warm start (it never writes the answer tags), and room
+    # (it writes ~150 tokens; at 32 most completions are cut off)
+    assert result["verdict"].startswith("0 of 8 prompts earned any reward") and "tools/warm_start.py" in result["verdict"]
+    assert result["truncated_frac"] >= 0.5 and "raise --max_new_tokens" in result["verdict"]
 
 
 def test_the_verdict_names_what_is_wrong():

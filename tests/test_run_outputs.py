@@ -75,6 +75,7 @@ def test_preflight_stops_a_run_that_would_get_no_signal():
     assert out.returncode != 0, out.stdout[-3000:]
     assert '"pass_rate_hist"' in out.stdout  # the probe's own report and JSON line, shown
     assert ("pre-flight: 0 of 16 prompts earned any reward: GRPO will get no signal; warm-start the model "
-            "(supervised), or change the reward") in out.stdout
+            "on the answer format (supervised: python tools/warm_start.py --model MODEL --out DIR), or change the "
+            "reward") in out.stdout
     assert "Not training (run without --preflight to train anyway)" in out.stdout
     assert not os.path.exists(os.path.join(ROOT, "runs", "test_preflight", "metrics.jsonl"))

@@ -2,9 +2,10 @@
 
     python -m pytest -q -m slow tests/test_smollm2_training.py
 
-3 steps of each trainer in fp32 and in bf16; and 20 steps with every training default (only the
-model, the rewards and the batch size set) keep the KL to the reference at most 0.1 per token: the
-default learning rate must not wreck a real model (1e-4 took it to 239 in one step).
+3 steps of each trainer in fp32 and in bf16; 20 steps with every training default (only the model, the
+rewards and the batch size set) keep the KL to the reference at most 0.1 per token: the default
+learning rate must not wreck a real model; and lr 1e-4, which took it to KL 239 in one step, is stopped
+by the run doctor (--stop_on kl) with the learning rate named.
 """
 import os
 import subprocess
@@ -63,3 +64,13 @@ def test_twenty_steps_at_the_default_settings_keep_the_kl_under_a_tenth(smollm2,
     save_figures("twenty_default_steps", {"kl_max": max(r["kl"] for r in rows), "kl_last": rows[-1]["kl"],
                                           "s_per_step": sum(r["step_s"] for r in rows[2:]) / len(rows[2:]),
                                           "steps_with_signal": sum(r["zero_var_frac"] < 1 for r in rows)})
+
+
+def test_the_doctor_stops_a_learning_rate_that_wrecks_smollm2_and_names_it(smollm2, ref_server):  # noqa: F811
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
+    out = subprocess.run([sys.executable, "grpo_train.py", "--model", smollm2, "--ref_url", ref_server, "--run_name",
+                          "test_smollm2_high_lr", "--overwrite", "--steps", "3", "--lr", "1e-4", "--stop_on", "kl",
+                          *SMALL, *SIGNAL], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    assert out.returncode != 0, out.stdout[-2000:]
+    assert "run doctor stopped the run (--stop_on kl)" in out.stdout + out.stderr
+    assert "--lr 0.0001; a real pretrained model trains at about 1e-6 in full" in out.stdout + out.stderr

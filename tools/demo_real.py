@@ -2,7 +2,7 @@
 
     python tools/demo_real.py [--seed 1] [--steps 40] [--n 500] [-- extra trainer flags]
 
-1. takes SmolLM2-135M-Instruct as `make smollm2` converted it (tools/fetch_smollm2.py; cached);
+1. fetches SmolLM2-135M-Instruct and converts it (tools/fetch_smollm2.py; once, then cached);
 2. warm start: it never writes the <answer> tags, so GRPO would get no signal; a short supervised
    start on solved training problems, half of them in the <think>/<answer> format and half in
    other styles, teaches the format without settling it (tools/warm_start.py; cached in
@@ -10,8 +10,8 @@
 3. probes the warm-started model: does GRPO get a signal from it? (tools/probe.py);
 4. evaluates greedily on the held-out test split the untouched model ("base") and the warm-started
    one, GRPO's start ("before");
-5. trains LoRA adapters with grpo_vllm_one.py (settings: TRAIN_FLAGS below, and docs/real_model.md
-   for what each changed) into runs/demo_real_seedN/, with its report.html;
+5. trains LoRA adapters with grpo_vllm_one.py into runs/demo_real_seedN/, with its report.html (the
+   settings: simple_grpo/run/smollm2_recipe.py; the search for them: docs/real_model.md);
 6. evaluates the final checkpoint ("after") and pairs it with "before", problem by problem: the gain
    in accuracy with its 95% interval;
 7. prints a table and one last JSON line {"base", "before", "after", "gain", "minutes"}.
@@ -27,18 +27,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from simple_grpo.evaluation import paired_gain, read_details  # noqa: E402
-from simple_grpo.run.launch import ROOT, TEST, evaluate, stop  # noqa: E402
-from tools.fetch_smollm2 import NEEDED_FILES, model_dir  # noqa: E402
+from simple_grpo.run.launch import ROOT, TEST, evaluate, smollm2_warm_start, stop  # noqa: E402
+from simple_grpo.run.smollm2_recipe import EVAL_FLAGS, SAMPLING_FLAGS, STEPS, SYSTEM_PROMPT, TRAIN_FLAGS  # noqa: E402
 
-# A short system prompt: every prompt token is computed in each forward pass, and R1-Zero's 100-token
-# one made each sequence ~1.7x longer for a model that learns the format from the warm start anyway.
-SYSTEM_PROMPT = ("Solve the math problem. Think step by step inside <think> </think>, then write only the "
-                 "final number inside <answer> </answer>.")
-WARM_START_FLAGS = ["--steps", "60", "--batch_size", "8", "--lr", "5e-5", "--in_format_share", "0.5"]
-SAMPLING_FLAGS = ["--num_generations", "8", "--max_new_tokens", "64"]  # the probe samples as training does
-TRAIN_FLAGS = ["--use_peft", "--lora_target_modules", "all-linear", "--lr", "2e-4", "--beta", "0",
-               "--batch_prompts", "4", *SAMPLING_FLAGS, "--max_model_len", "160", "--save_every", "1000"]
-EVAL_FLAGS = ["--max_new_tokens", "128"]
 KEEP = ("accuracy", "format_rate", "accuracy_in_format", "mean_tokens", "n")
 
 
@@ -55,26 +46,22 @@ def run(cmd, env, what):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=0, help="seed of GRPO's problem draws and sampling")
-    ap.add_argument("--steps", type=int, default=40, help="GRPO steps")
+    ap.add_argument("--steps", type=int, default=STEPS, help="GRPO steps")
     ap.add_argument("--n", type=int, default=500, help="held-out test problems evaluated (500: all)")
     ap.add_argument("--run_name", default=None, help="default: demo_real_seedN")
     ap.add_argument("train_args", nargs="*", help="extra grpo_vllm_one.py flags, after --")
     args = ap.parse_args()
     run_name = args.run_name or f"demo_real_seed{args.seed}"
     run_dir = os.path.join(ROOT, "runs", run_name)
-    base = model_dir()
-    base = os.path.relpath(base, ROOT) if base.startswith(ROOT + os.sep) else base  # the warm start's cache key
-    if not all(os.path.isfile(os.path.join(base, f)) for f in NEEDED_FILES):
-        raise SystemExit(f"SmolLM2-135M-Instruct is not in {base}: run `make smollm2` first (make demo-real does)")
-    warm = base.rstrip("/") + "-warm"
     # two busy processes on two cores: OpenMP threads must sleep, not spin, while they wait
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill` runs the clean-up too
     t0 = time.time()
     prompt = ["--system_prompt", SYSTEM_PROMPT]
 
-    print(f"\n== 1/5 warm start: {base} -> {warm}", flush=True)
-    run(["tools/warm_start.py", "--model", base, "--out", warm, *prompt, *WARM_START_FLAGS], env, "the warm start")
+    print("\n== 1/5 SmolLM2-135M-Instruct (tools/fetch_smollm2.py: fetched and converted once), and its warm start",
+          flush=True)
+    base, warm = smollm2_warm_start(env)
 
     print("\n== 2/5 probe: will GRPO get a signal from the warm-started model?", flush=True)
     run(["tools/probe.py", "--model", warm, "--n", "32", *prompt, *SAMPLING_FLAGS], env, "the probe")
@@ -88,7 +75,8 @@ def main():
                "before": evaluate(warm, env, TEST, [*eval_args, "--details", details["before"]])}
 
     print(f"\n== 4/5 GRPO with grpo_vllm_one.py, seed {args.seed}, {args.steps} steps -> runs/{run_name}", flush=True)
-    run(["grpo_vllm_one.py", "--model", warm, *prompt, *TRAIN_FLAGS, "--run_name", run_name, "--overwrite",
+    run(["grpo_vllm_one.py", "--model", warm, *prompt, *TRAIN_FLAGS, "--save_every", "1000", "--run_name", run_name,
+         "--overwrite",
          "--seed", str(args.seed), "--steps", str(args.steps), *args.train_args], env, "grpo_vllm_one.py")
 
     print("\n== 5/5 evaluate the trained model (after)", flush=True)

@@ -100,8 +100,8 @@ def verdict(hist, rewards, zero_var_frac, truncated_frac, G):
     if zero_var_frac == 1.0:
         earned = int((by_group != 0).any(1).sum())
         if earned == 0:
-            text = (f"0 of {n} prompts earned any reward: GRPO will get no signal; warm-start the model "
-                    f"(supervised), or {fix_reward}")
+            text = (f"0 of {n} prompts earned any reward: GRPO will get no signal; warm-start the model on the "
+                    f"answer format (supervised: python tools/warm_start.py --model MODEL --out DIR), or {fix_reward}")
         else:
             text = (f"no group has reward variance (each prompt's {G} completions all scored alike): GRPO will get "
                     f"no signal; raise --num_generations or --temperature, or {fix_reward}")

@@ -84,7 +84,8 @@ class RunDoctor:
                 f"Rewards seen: {seen}. A completion: {json.dumps(shorten(sample['completion']))} scored "
                 f"{sample['scores']['reward']:g} ({parts}). Likely cause: the model never earns the reward, or all "
                 "its answers to a question score alike. Try: python tools/probe.py --model "
-                f"{self.cfg.model} to see its pass rate; warm-start the model, change --reward_funcs/--reward_weights/"
+                f"{self.cfg.model} to see its pass rate; warm-start the model on the answer format (tools/warm_start.py), "
+                "change --reward_funcs/--reward_weights/"
                 "--reward_file, or raise --num_generations/--temperature")
 
     def step(self, record):
@@ -131,8 +132,11 @@ class RunDoctor:
     def kl_message(self, kl, recent):
         cfg, n = self.cfg, len(self.rows)
         if n <= 3:
+            usual = ("LoRA adapters on a real pretrained model train at about 1e-4 (SmolLM2-135M: 2e-4)"
+                     if getattr(cfg, "use_peft", False) else
+                     "a real pretrained model trains at about 1e-6 in full, 1e-4 as LoRA adapters (--use_peft)")
             return (f"KL {kl:.3g} after {n} update{'s' if n > 1 else ''}: the learning rate is likely too high for "
-                    f"this model (--lr {cfg.lr:g}; real pretrained models train at about 1e-6)")
+                    f"this model (--lr {cfg.lr:g}; {usual})")
         if kl <= cfg.doctor_kl_max:
             return (f"KL to the reference jumped to {kl:.3g} from a recent mean of {recent:.3g}: one update moved "
                     "the policy far (see grad_norm). Lower --lr, or raise --beta")

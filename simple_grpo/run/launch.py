@@ -10,6 +10,8 @@ import time
 
 import requests
 
+from simple_grpo.run.smollm2_recipe import SYSTEM_PROMPT, WARM_START_FLAGS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 MODEL, TEST = "models/tiny-math", "data/toy_math/test.jsonl"
 # the tiny model's tuned learning rate (2e-4 learned slower, 5e-4 collapsed); the trainers' default,
@@ -49,6 +51,25 @@ def start_ref_server(port, env, *args, token="", script="ref_server.py"):
             time.sleep(0.5)
     proc.terminate()
     raise SystemExit(f"{script} did not answer /health within 120 s")
+
+
+def smollm2_warm_start(env):
+    """SmolLM2-135M-Instruct fetched and converted (tools/fetch_smollm2.py), then warm-started on the answer
+    format with the recipe's flags (tools/warm_start.py); both cached. Returns (base, warm) directories,
+    relative to the repository when inside it (the warm start's cache key holds the base's path)."""
+    fetched = subprocess.run([sys.executable, "tools/fetch_smollm2.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             text=True)
+    if fetched.returncode != 0:
+        raise SystemExit(f"tools/fetch_smollm2.py failed with exit code {fetched.returncode} (`make smollm2` "
+                         "installs what it needs)")
+    base = fetched.stdout.strip().splitlines()[-1]  # it prints the model's directory last
+    base = os.path.relpath(base, ROOT) if base.startswith(ROOT + os.sep) else base
+    warm = base.rstrip("/") + "-warm"
+    proc = subprocess.run([sys.executable, "tools/warm_start.py", "--model", base, "--out", warm,
+                           "--system_prompt", SYSTEM_PROMPT, *WARM_START_FLAGS], cwd=ROOT, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"tools/warm_start.py failed with exit code {proc.returncode}")
+    return base, warm
 
 
 def evaluate(model_dir, env, data=TEST, args=()):

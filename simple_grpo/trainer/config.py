@@ -31,7 +31,8 @@ class TrainerConfig(TaskConfig):
     importance_sampling_level: str = flag("token", "token, or sequence (GSPO)")
     scale_rewards: str = flag("", "advantage scale: group, batch or none (default: group; none for dr_grpo)")
     mask_truncated_completions: bool = flag(False, "completions cut off without a stop token get no gradient")
-    lr: float = flag(1e-6, "Adam's learning rate; 1e-6 (TRL's) suits pretrained models, the tiny demo takes 1e-4")
+    lr: float = flag(1e-6, "Adam's learning rate; 1e-6 (TRL's) suits pretrained models in full, ~1e-4 their "
+                                "LoRA adapters (SmolLM2-135M: 2e-4); the tiny demo takes 1e-4")
     steps: int = flag(200, "optimizer steps (one batch of rollouts each)")
     num_iterations: int = flag(1, "optimizer steps per batch of rollouts (TRL's num_iterations, PPO's epochs)")
     micro_batch_groups: int = flag(0, "groups per forward/backward (0: the whole batch); less memory, same step")

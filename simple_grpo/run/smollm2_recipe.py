@@ -1,0 +1,32 @@
+"""The settings that make SmolLM2-135M-Instruct learn the toy task on a 2-core CPU: what `make demo-real`
+(tools/demo_real.py) runs, and what bench/compare_trl.py --world smollm2 gives TRL and our trainers alike.
+docs/real_model.md has the search behind each value and what it changed."""
+
+# A short system prompt: the model pays for every prompt token in each forward pass, and R1-Zero's
+# (135 tokens with a question, against 81 with this one) made the warm start's steps ~1.5x slower for a
+# model that learns the format from the warm start anyway.
+SYSTEM_PROMPT = ("Solve the math problem. Think step by step inside <think> </think>, then write only the "
+                 "final number inside <answer> </answer>.")
+
+# The supervised warm start (tools/warm_start.py): 60 steps x 8 of the training problems' solutions, half in
+# the <think>/<answer> format, half in other styles. At 20 and 40 steps greedy answers were all in format
+# (dev accuracy 0.27, 0.34: no format left for GRPO to learn); at 60 the greedy answer is mostly the bare
+# `<answer>N</answer>` (format 0.07 on dev) while sampling still reasons in format 16% of the time.
+WARM_START_FLAGS = ["--steps", "60", "--batch_size", "8", "--lr", "5e-5", "--in_format_share", "0.5"]
+
+# GRPO: 4 problems x 8 completions a step; completions of the warm-started model are ~18 tokens (none cut at
+# 64). LoRA on every linear layer at lr 2e-4 (the tiny model's LoRA took 3e-4; 1e-5 moved SmolLM2's adapters
+# by a KL of 8e-6 in 8 steps), beta 0: no reference pass at all.
+PROMPTS, GROUP, MAX_NEW_TOKENS = 4, 8, 64
+LR, BETA = 2e-4, 0.0
+LORA_TARGETS = "all-linear"  # with the trainers' LoRA defaults: r 16, alpha 32, dropout 0.05 (TRL's)
+SAMPLING_FLAGS = ["--num_generations", str(GROUP), "--max_new_tokens", str(MAX_NEW_TOKENS)]
+# The trainer takes both cores (--threads 2; vLLM's worker keeps the second): it computes ~7.6 s of an 8 s step
+# while the worker samples for ~3.3 s, and with 2 threads a step took 7.2 s instead of 8.0, same numbers.
+TRAINER_THREADS = ["--threads", "2"]
+TRAIN_FLAGS = ["--use_peft", "--lora_target_modules", LORA_TARGETS, "--lr", str(LR), "--beta", str(BETA),
+               "--batch_prompts", str(PROMPTS), *SAMPLING_FLAGS, "--max_model_len", "160", *TRAINER_THREADS]
+STEPS = 40
+
+# Greedy evaluation: room for the untouched model's long answers (~84-150 tokens) too.
+EVAL_FLAGS = ["--max_new_tokens", "128"]
