@@ -6,7 +6,7 @@
 # Both create .venv/ and install the requirements on first use (tools/install.sh).
 PY := .venv/bin/python
 
-.PHONY: install demo demo-real test test-all bench-trl bench-lora data model smollm2 probe report chromium clean
+.PHONY: install demo demo-real test test-all bench-trl bench-trl-real bench-lora data model smollm2 probe report chromium clean
 
 install:
 	@bash tools/install.sh
@@ -31,6 +31,11 @@ test-all: install
 bench-trl: install
 	@bash tools/install.sh requirements-bench.txt
 	$(PY) bench/compare_trl.py --steps 30 --skip 3 --lengths 32,256
+
+# The same on SmolLM2-135M-Instruct, make demo-real's recipe (docs/real_model.md); its warm start is made first (cached).
+bench-trl-real: smollm2
+	@bash tools/install.sh requirements-bench.txt
+	$(PY) bench/compare_trl.py --world smollm2 --steps 20 --skip 3 --lengths 64 --systems trl,grpo_vllm_one
 
 # A GRPO step with LoRA and without (README "LoRA"): the tiny model, then SmolLM2-135M with rewards it can earn.
 bench-lora: smollm2

@@ -3,6 +3,10 @@
     bash tools/install.sh requirements-bench.txt   # TRL, for this benchmark only (make bench-trl does both)
     python bench/compare_trl.py [--steps 30] [--skip 3] [--lengths 32,256] \\
         [--systems trl,grpo_train,grpo_vllm_one] [--gen_workers 1,2] [--gen_compile on] > compare_trl.jsonl
+    python bench/compare_trl.py --world smollm2 --steps 20 --skip 3 --lengths 64 --systems trl,grpo_vllm_one
+
+--world smollm2 gives every system make demo-real's warm-started SmolLM2-135M-Instruct and its recipe
+instead (world_settings below); what follows describes the tiny world.
 
 Every system trains the tiny default model (models/tiny-math) on data/toy_math/train.jsonl
 with the same GRPO step: 8 prompts x 8 completions (64 completions, one optimizer step),

@@ -75,9 +75,10 @@ def main():
                "before": evaluate(warm, env, TEST, [*eval_args, "--details", details["before"]])}
 
     print(f"\n== 4/5 GRPO with grpo_vllm_one.py, seed {args.seed}, {args.steps} steps -> runs/{run_name}", flush=True)
-    run(["grpo_vllm_one.py", "--model", warm, *prompt, *TRAIN_FLAGS, "--save_every", "1000", "--run_name", run_name,
-         "--overwrite",
-         "--seed", str(args.seed), "--steps", str(args.steps), *args.train_args], env, "grpo_vllm_one.py")
+    # a group's completions every 2 steps for report.html: the bare answers of the first steps, then the reasoning
+    run(["grpo_vllm_one.py", "--model", warm, *prompt, *TRAIN_FLAGS, "--save_every", "1000",
+         "--log_completions_every", "2", "--run_name", run_name, "--overwrite", "--seed", str(args.seed),
+         "--steps", str(args.steps), *args.train_args], env, "grpo_vllm_one.py")
 
     print("\n== 5/5 evaluate the trained model (after)", flush=True)
     figures["after"] = evaluate(os.path.join(run_dir, f"step_{args.steps}"), env, TEST,
