@@ -43,6 +43,8 @@ class EvalConfig(DataConfig):
     max_new_tokens: int = flag(64, "the longest completion, in tokens")
     backend: str = flag("auto", "auto (vllm if installed, else hf), vllm or hf")
     dtype: str = flag("float32", "float32 or bfloat16, in either backend")
+    answer_prefix: str = flag("", "text every answer is made to begin with (e.g. <think>), scored as part of it: "
+                                  "what the model does once started in a format")
     seed: int = flag(0, "seed of the sampling")
     json: bool = flag(False, "print one last JSON line with the figures")
     details: str = flag("", "also write each problem's question, completions and scores to this .jsonl "
@@ -78,7 +80,8 @@ def evaluate(cfg: EvalConfig, label=None):
             backend = "hf"
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format, cfg.system_prompt) for p in problems]
+    prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format, cfg.system_prompt) + cfg.answer_prefix
+               for p in problems]
     stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)
     max_model_len = context_length(tokenizer, prompts, cfg.max_new_tokens, cfg.model)
     t0 = time.time()
@@ -95,6 +98,7 @@ def evaluate(cfg: EvalConfig, label=None):
                                            max_new_tokens=cfg.max_new_tokens, stop_ids=stop_ids)
     else:
         raise SystemExit(f"unknown --backend {cfg.backend!r}: use auto, vllm or hf")
+    completions = [[cfg.answer_prefix + c for c in cs] for cs in completions]
     metrics = summarize(problems, completions, lengths)
     if cfg.details:
         write_details(cfg.details, problems, completions)

@@ -179,13 +179,14 @@ def run_trl(completion_len, steps, skip, env, gradient_checkpointing, seed, worl
 
 
 # ---------------------------------------------------------------------------- our trainers
-def run_ours(trainer, completion_len, steps, skip, env, seed, world, w, gen_workers=1, gen_compile=True):
+def run_ours(trainer, completion_len, steps, skip, env, seed, world, w, gen_workers=1, gen_compile=True, extra=()):
     flags = ["--model", w["model"], "--system_prompt", w["system_prompt"], "--batch_prompts", str(w["prompts"]),
              "--num_generations", str(GROUP), "--lr", str(w["lr"]), "--beta", str(w["beta"]),
              "--temperature", str(TEMPERATURE), "--seed", str(seed), "--max_new_tokens", str(completion_len)]
     flags += ["--min_new_tokens", str(completion_len)] if w["fixed_length"] else []
     flags += ["--use_peft", "--lora_target_modules", smollm2_recipe.LORA_TARGETS] if w["lora"] else []
     flags += w["ours"]  # smollm2: the recipe's trainer threads
+    flags += extra
     if trainer == "grpo_vllm_one":
         flags += ["--max_model_len", "512", "--gen_workers", str(gen_workers)]  # the tiny model's context length
         flags += ["--gen_compile"] if gen_compile else []
@@ -212,6 +213,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gen_workers", default="1", help="grpo_vllm_one's generation worker counts, e.g. 1,2")
     ap.add_argument("--gen_compile", default="on", choices=["on", "off"], help="grpo_vllm_one's --gen_compile")
+    ap.add_argument("--ours_flags", default="", help="more flags for our trainers, e.g. \"--max_policy_lag 0\"")
     ap.add_argument("--world", default="tiny", choices=["tiny", "smollm2"],
                     help="tiny: the tiny default model; smollm2: make demo-real's warm-started SmolLM2 and recipe")
     ap.add_argument("--trl_child", type=int, default=0, help=argparse.SUPPRESS)  # internal: run TRL, length L
@@ -245,7 +247,8 @@ def main():
                                  args.world, w)
             else:
                 result = run_ours(system, completion_len, args.steps, args.skip, env, args.seed, args.world, w, k,
-                                  args.gen_compile == "on")
+                                  args.gen_compile == "on", args.ours_flags.split())
+                result["ours_flags"] = args.ours_flags
             result = {"system": name, "world": args.world, "completion_len": completion_len, "seed": args.seed,
                       **result,
                       "steps": args.steps, "timed_steps": args.steps - args.skip}

@@ -66,3 +66,12 @@ def test_paired_gain_is_the_mean_difference_with_its_interval():
     assert gain["ci95"] == pytest.approx([0.25 - half, 0.25 + half])
     with pytest.raises(ValueError, match="not on the same problems"):
         paired_gain(before, after[::-1])
+
+
+def test_an_answer_prefix_starts_every_answer_and_is_scored_with_it(tmp_path):
+    path = tmp_path / "details.jsonl"
+    run_evaluate("--n", "16", "--answer_prefix", "<think>", "--details", str(path))
+    rows = read_details(path)
+    assert all(r["completions"][0].startswith("<think>") for r in rows)  # scored with the prefix
+    # the tiny model begins its own answers with <think>: had the prompt not ended with it, it would write it again
+    assert sum(r["completions"][0].startswith("<think><think>") for r in rows) < len(rows) / 2
