@@ -64,3 +64,49 @@ def test_it_saves_a_model_then_reuses_it_and_refuses_other_flags(tmp_path):
 def test_bad_flags_are_named(tmp_path, args, message):
     result = warm_start(tmp_path / "warm", *args)
     assert result.returncode != 0 and message in result.stderr
+
+
+def test_it_keeps_the_checkpoint_with_the_best_dev_accuracy(tmp_path):
+    out = tmp_path / "warm"
+    result = warm_start(out, "--steps", "6", "--lr", "3e-3", "--eval_every", "2", "--dev_n", "16",
+                        "--dev_max_new_tokens", "48")
+    assert result.returncode == 0, result.stderr[-2000:]
+    with open(out / "warm_start.json") as f:
+        record = json.load(f)
+    curve = record["dev_curve"]
+    assert [p["step"] for p in curve] == [2, 4, 6]
+    best = max(curve, key=lambda p: p["accuracy"])  # the first of the best, as the tool keeps it
+    assert record["best"] == best
+    # the model in --out is that checkpoint: scored again, it gets the recorded dev accuracy
+    from transformers import AutoModelForCausalLM
+    from tools.warm_start import WarmStartConfig, dev_accuracy
+    cfg = WarmStartConfig(model="models/tiny-math", out=str(out), system_prompt=SHORT_PROMPT, dev_n=16,
+                          dev_max_new_tokens=48)
+    dev = load_jsonl(os.path.join(ROOT, cfg.dev))[:16]
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert dev_accuracy(AutoModelForCausalLM.from_pretrained(out), tokenizer, dev, cfg) == \
+        {k: best[k] for k in ("accuracy", "format_rate", "mean_tokens")}
+
+
+def test_patience_stops_at_the_plateau(tmp_path):
+    # at lr 1e-12 the model does not change, so no evaluation after the first is a new best
+    result = warm_start(tmp_path / "warm", "--steps", "20", "--lr", "1e-12", "--eval_every", "2", "--patience", "2",
+                        "--dev_n", "8", "--dev_max_new_tokens", "32")
+    assert result.returncode == 0, result.stderr[-2000:]
+    with open(tmp_path / "warm" / "warm_start.json") as f:
+        record = json.load(f)
+    assert [p["step"] for p in record["dev_curve"]] == [2, 4, 6] and record["best"]["step"] == 2
+    assert len(record["history"]) == 6 and "the plateau" in result.stdout
+
+
+def test_max_minutes_ends_it_on_a_time_budget(tmp_path):
+    result = warm_start(tmp_path / "warm", "--steps", "50", "--max_minutes", "0.0001")
+    assert result.returncode == 0, result.stderr[-2000:]
+    with open(tmp_path / "warm" / "warm_start.json") as f:
+        assert len(json.load(f)["history"]) == 1
+    assert "minutes of training reached at step 1" in result.stdout
+
+
+def test_patience_without_evaluations_is_refused(tmp_path):
+    result = warm_start(tmp_path / "warm", "--patience", "2")
+    assert result.returncode != 0 and "give --eval_every too" in result.stderr

@@ -1,12 +1,18 @@
-"""A short supervised warm start on the answer format, for a real model that never writes it.
+"""A supervised warm start on worked solutions, for a real model that never writes the answer format.
 
     python tools/warm_start.py --model .cache/models/SmolLM2-135M-Instruct --out .cache/models/SmolLM2-warm
+    python tools/warm_start.py ... --steps 400 --eval_every 20 --patience 3   # to the dev plateau, keeps the best
 
 GRPO learns only from groups whose rewards differ. SmolLM2-135M-Instruct never writes the
 <answer> tags (0 of 200 held-out problems), so every reward is 0 and GRPO has nothing to go on.
 This teaches the format from a few hundred of the training problems' own solutions
 (simple_grpo/task/warm_start.py: `<think>12+7=19\\n...</think><answer>N</answer>`, a share of them in
 other styles), with the same prompt the trainers will use, and saves a model GRPO starts from.
+With --eval_every N it scores greedy answers on --dev_n dev problems every N steps, saves the best
+checkpoint so far to --out (the model GRPO starts from is chosen on dev accuracy alone), and with
+--patience P stops once P evaluations in a row bring no new best: the plateau. --max_minutes ends it on
+a time budget (the supervised control beside GRPO gets GRPO's minutes). warm_start.json records the loss
+and the dev curve against steps and seconds.
 Cached: when --out already holds a warm start made with the same flags, it says so and exits.
 """
 import json
@@ -20,6 +26,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from simple_grpo.evaluation import hf_generate, summarize  # noqa: E402
 from simple_grpo.flags import flag, parse_flags  # noqa: E402 (after the path fix that lets the script import it)
 from simple_grpo.task.problems import SYSTEM_PROMPT, load_jsonl, make_prompt, stop_token_ids  # noqa: E402
 from simple_grpo.task.warm_start import make_batch, sft_target  # noqa: E402
@@ -38,6 +45,13 @@ class WarmStartConfig:
     seed: int = flag(0, "seed of the problem draws and target styles")
     threads: int = flag(2, "torch threads")
     save_every: int = flag(0, "also save out/step_N every this many steps (0: only the end)")
+    dev: str = flag("data/toy_math/dev.jsonl", "the problems the checkpoints are chosen on (never the test split)")
+    dev_n: int = flag(200, "dev problems scored at each evaluation (greedy)")
+    dev_max_new_tokens: int = flag(96, "the longest greedy answer at each evaluation, in tokens")
+    eval_every: int = flag(0, "score dev accuracy every this many steps and keep the best checkpoint in --out "
+                              "(0: no evaluation; --out gets the last step)")
+    patience: int = flag(0, "stop after this many evaluations in a row without a new best dev accuracy (0: never)")
+    max_minutes: float = flag(0.0, "stop after this many minutes of training (0: no limit); evaluations not counted")
 
 
 def main(cfg: WarmStartConfig):
@@ -48,6 +62,10 @@ def main(cfg: WarmStartConfig):
     if not 0 < cfg.in_format_share <= 1:
         raise SystemExit(f"--in_format_share must be in (0, 1], got {cfg.in_format_share}")
     record_path = os.path.join(cfg.out, "warm_start.json")
+    if cfg.eval_every < 0 or cfg.patience < 0 or cfg.max_minutes < 0 or cfg.dev_n < 1:
+        raise SystemExit("--eval_every, --patience and --max_minutes must be >= 0, --dev_n >= 1")
+    if cfg.patience and not cfg.eval_every:
+        raise SystemExit("--patience counts evaluations: give --eval_every too")
     recipe = {k: v for k, v in asdict(cfg).items() if k not in ("out", "threads", "save_every")}  # what makes the model
     if os.path.isfile(record_path):
         with open(record_path) as f:
@@ -65,9 +83,13 @@ def main(cfg: WarmStartConfig):
     problems = load_jsonl(cfg.train)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
-    history, t0 = [], time.time()
-    print(f"warm start: {cfg.steps} steps x {cfg.batch_size} of {cfg.train} at lr {cfg.lr}, "
-          f"{cfg.in_format_share:.0%} of targets in format -> {cfg.out}", flush=True)
+    dev = load_jsonl(cfg.dev)[:cfg.dev_n] if cfg.eval_every else []
+    history, curve, best = [], [], None  # best: the dev evaluation of the checkpoint in --out
+    t0, eval_seconds = time.time(), 0.0  # training time excludes the evaluations
+    print(f"warm start: up to {cfg.steps} steps x {cfg.batch_size} of {cfg.train} at lr {cfg.lr}, "
+          f"{cfg.in_format_share:.0%} of targets in format -> {cfg.out}"
+          + (f"; dev accuracy on {len(dev)} problems every {cfg.eval_every} steps, the best kept" if dev else ""),
+          flush=True)
     model.train()
     for step in range(1, cfg.steps + 1):
         batch = rng.sample(problems, cfg.batch_size)
@@ -78,14 +100,46 @@ def main(cfg: WarmStartConfig):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step(), sched.step(), opt.zero_grad(set_to_none=True)
-        history.append({"step": step, "loss": round(loss.item(), 4), "seconds": round(time.time() - t0, 1)})
-        print(f"warm start step {step}/{cfg.steps}: loss {loss.item():.3f} ({time.time() - t0:.0f} s)", flush=True)
+        train_seconds = time.time() - t0 - eval_seconds
+        history.append({"step": step, "loss": round(loss.item(), 4), "seconds": round(train_seconds, 1)})
+        print(f"warm start step {step}/{cfg.steps}: loss {loss.item():.3f} ({train_seconds:.0f} s)", flush=True)
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
             save(model, tokenizer, os.path.join(cfg.out, f"step_{step}"))
-    save(model, tokenizer, cfg.out)
+        out_of_time = cfg.max_minutes and train_seconds >= cfg.max_minutes * 60
+        if dev and (step % cfg.eval_every == 0 or step == cfg.steps or out_of_time):
+            e0 = time.time()
+            point = {"step": step, "seconds": round(train_seconds, 1), **dev_accuracy(model, tokenizer, dev, cfg)}
+            curve.append(point)
+            if best is None or point["accuracy"] > best["accuracy"]:
+                best = point
+                save(model, tokenizer, cfg.out)
+            eval_seconds += time.time() - e0
+            print(f"warm start dev at step {step}: accuracy {point['accuracy']:.3f}, format {point['format_rate']:.3f}"
+                  f" (best {best['accuracy']:.3f} at step {best['step']})", flush=True)
+            if cfg.patience and len(curve) - curve.index(best) > cfg.patience:
+                print(f"warm start: dev accuracy has not risen for {cfg.patience} evaluations: the plateau")
+                break
+        if out_of_time:
+            print(f"warm start: {cfg.max_minutes} minutes of training reached at step {step}")
+            break
+    if not dev:
+        save(model, tokenizer, cfg.out)
     with open(record_path, "w") as f:
-        json.dump({"recipe": recipe, "history": history}, f, indent=1)
-    print(f"warm start saved to {cfg.out} in {time.time() - t0:.0f} s")
+        json.dump({"recipe": recipe, "best": best, "dev_curve": curve, "history": history}, f, indent=1)
+    kept = f"step {best['step']} (dev accuracy {best['accuracy']:.3f})" if best else f"step {step}"
+    print(f"warm start: {kept} saved to {cfg.out}; {train_seconds:.0f} s of training, {eval_seconds:.0f} s of "
+          f"evaluation")
+
+
+def dev_accuracy(model, tokenizer, problems, cfg):
+    """Greedy accuracy and format rate on the dev problems, scored by the training rewards."""
+    prompts = [make_prompt(tokenizer, p["question"], "chat", cfg.system_prompt) for p in problems]
+    model.eval()
+    completions, lengths = hf_generate(model, tokenizer, prompts, max_new_tokens=cfg.dev_max_new_tokens,
+                                       batch_size=50, progress=False, stop_ids=stop_token_ids(tokenizer))
+    model.train()
+    figures = summarize(problems, completions, lengths)
+    return {k: round(figures[k], 4) for k in ("accuracy", "format_rate", "mean_tokens")}
 
 
 def save(model, tokenizer, out):
