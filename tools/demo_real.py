@@ -1,25 +1,28 @@
-"""`make demo-real`: GRPO makes a real pretrained model, SmolLM2-135M-Instruct, better on this CPU.
+"""`make demo-real`: does GRPO make a real pretrained model, SmolLM2-135M-Instruct, better than supervised
+training does, on this CPU?
 
-    python tools/demo_real.py [--seed 1] [--steps 40] [--n 500] [-- extra trainer flags]
+    python tools/demo_real.py [--seed 1] [--steps N] [--n 500] [-- extra trainer flags]
 
-1. fetches SmolLM2-135M-Instruct and converts it (tools/fetch_smollm2.py; once, then cached);
-2. warm start: it never writes the <answer> tags, so GRPO would get no signal; a short supervised
-   start on solved training problems, half of them in the <think>/<answer> format and half in
-   other styles, teaches the format without settling it (tools/warm_start.py; cached in
-   .cache/models/, so a second seed skips it);
-3. probes the warm-started model: does GRPO get a signal from it? (tools/probe.py);
-4. evaluates greedily on the held-out test split the untouched model ("base") and the warm-started
-   one, GRPO's start ("before");
-5. trains LoRA adapters with grpo_vllm_one.py into runs/demo_real_seedN/, with its report.html (the
-   settings: simple_grpo/run/smollm2_recipe.py; the search for them: docs/real_model.md);
-6. evaluates the final checkpoint ("after") and pairs it with "before", problem by problem: the gain
-   in accuracy with its 95% interval;
-7. prints a table and one last JSON line {"base", "before", "after", "gain", "minutes"}.
+1. fetches SmolLM2-135M-Instruct and converts it (tools/fetch_smollm2.py; once, then cached), and trains it
+   on the training problems' worked solutions until dev accuracy stops rising, keeping the checkpoint with
+   the best dev accuracy: "before", the best supervised start (tools/warm_start.py; cached in .cache/models/);
+2. probes "before": does GRPO get a signal from it? (tools/probe.py);
+3. evaluates greedily on the held-out test split the untouched model ("base") and "before";
+4. trains LoRA adapters with grpo_vllm_one.py from "before" into runs/demo_real_seedN/ (the settings:
+   simple_grpo/run/smollm2_recipe.py; the search for them: docs/real_model.md), and times it;
+5. the control: supervised training continued from "before" for the same minutes (tools/warm_start.py
+   --max_minutes), into runs/demo_real_seedN/control;
+6. evaluates both ("after", "control");
+7. prints a table, GRPO's paired gains (the same problems, with 95% intervals) against "before" and against
+   the control, and one last JSON line {"base", "before", "control", "after", "gain_vs_before",
+   "gain_vs_control", "grpo_minutes", "minutes"}.
+GRPO learns from final answers only; the supervised start and the control learn from worked solutions.
 The trainer is stopped at the end, on errors, on Ctrl-C and on SIGTERM.
 """
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,9 +31,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from simple_grpo.evaluation import paired_gain, read_details  # noqa: E402
 from simple_grpo.run.launch import ROOT, TEST, evaluate, smollm2_warm_start, stop  # noqa: E402
-from simple_grpo.run.smollm2_recipe import EVAL_FLAGS, SAMPLING_FLAGS, STEPS, SYSTEM_PROMPT, TRAIN_FLAGS  # noqa: E402
+from simple_grpo.run.smollm2_recipe import (CONTROL_FLAGS, EVAL_FLAGS, SAMPLING_FLAGS, STEPS, SYSTEM_PROMPT,  # noqa: E402
+                                            TRAIN_FLAGS, WARM_START_FLAGS)
 
 KEEP = ("accuracy", "format_rate", "accuracy_in_format", "mean_tokens", "n")
+MODELS = ("base", "before", "control", "after")
 
 
 def run(cmd, env, what):
@@ -43,12 +48,23 @@ def run(cmd, env, what):
         stop(proc)
 
 
+def gain_row(before, after):
+    """paired_gain of two evaluations' details files, rounded for the JSON line."""
+    g = paired_gain(read_details(before), read_details(after))
+    return {"accuracy": round(g["gain"], 4), "ci95": [round(x, 4) for x in g["ci95"]], "won": g["won"],
+            "lost": g["lost"], "n": g["n"]}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seed", type=int, default=0, help="seed of GRPO's problem draws and sampling")
+    ap.add_argument("--seed", type=int, default=0, help="seed of GRPO's problem draws and sampling, and of the "
+                                                        "control's draws")
     ap.add_argument("--steps", type=int, default=STEPS, help="GRPO steps")
     ap.add_argument("--n", type=int, default=500, help="held-out test problems evaluated (500: all)")
     ap.add_argument("--run_name", default=None, help="default: demo_real_seedN")
+    ap.add_argument("--warm_start_flags", default=None,
+                    help="tools/warm_start.py flags for the supervised start, as one string (default: the "
+                         "recipe's, to the dev plateau); the tests give a short one")
     ap.add_argument("train_args", nargs="*", help="extra grpo_vllm_one.py flags, after --")
     args = ap.parse_args()
     run_name = args.run_name or f"demo_real_seed{args.seed}"
@@ -59,45 +75,74 @@ def main():
     t0 = time.time()
     prompt = ["--system_prompt", SYSTEM_PROMPT]
 
-    print("\n== 1/5 SmolLM2-135M-Instruct (tools/fetch_smollm2.py: fetched and converted once), and its warm start",
-          flush=True)
-    base, warm = smollm2_warm_start(env)
+    print("\n== 1/6 SmolLM2-135M-Instruct (fetched and converted once), and its best supervised start "
+          "(cached)", flush=True)
+    warm_flags = args.warm_start_flags.split() if args.warm_start_flags is not None else WARM_START_FLAGS
+    base, before = smollm2_warm_start(env, warm_flags)
+    with open(os.path.join(ROOT, before, "warm_start.json")) as f:
+        best = json.load(f)["best"]
+    if best:
+        print(f"before = step {best['step']} of the supervised start, dev accuracy {best['accuracy']:.3f}")
 
-    print("\n== 2/5 probe: will GRPO get a signal from the warm-started model?", flush=True)
-    run(["tools/probe.py", "--model", warm, "--n", "32", *prompt, *SAMPLING_FLAGS], env, "the probe")
+    print("\n== 2/6 probe: will GRPO get a signal from it?", flush=True)
+    run(["tools/probe.py", "--model", before, "--n", "32", *prompt, *SAMPLING_FLAGS], env, "the probe")
 
-    print(f"\n== 3/5 evaluate the untouched model (base) and the warm-started one (before) on {args.n} test problems",
-          flush=True)
+    print(f"\n== 3/6 evaluate the untouched model (base) and the supervised start (before) on {args.n} test "
+          "problems", flush=True)
     os.makedirs(run_dir, exist_ok=True)
     eval_args = [*prompt, *EVAL_FLAGS, "--n", str(args.n)]
-    details = {name: os.path.join(run_dir, f"eval_{name}.jsonl") for name in ("base", "before", "after")}
-    figures = {"base": evaluate(base, env, TEST, [*eval_args, "--details", details["base"]]),
-               "before": evaluate(warm, env, TEST, [*eval_args, "--details", details["before"]])}
+    details = {name: os.path.join(run_dir, f"eval_{name}.jsonl") for name in MODELS}
+    figures = {name: evaluate(model, env, TEST, [*eval_args, "--details", details[name]])
+               for name, model in (("base", base), ("before", before))}
 
-    print(f"\n== 4/5 GRPO with grpo_vllm_one.py, seed {args.seed}, {args.steps} steps -> runs/{run_name}", flush=True)
-    # a group's completions every 2 steps for report.html: the bare answers of the first steps, then the reasoning
-    run(["grpo_vllm_one.py", "--model", warm, *prompt, *TRAIN_FLAGS, "--save_every", "1000",
+    print(f"\n== 4/6 GRPO with grpo_vllm_one.py from before, seed {args.seed}, {args.steps} steps -> "
+          f"runs/{run_name}", flush=True)
+    t_grpo = time.time()
+    # a group's completions every 2 steps for report.html
+    run(["grpo_vllm_one.py", "--model", before, *prompt, *TRAIN_FLAGS, "--save_every", "1000",
          "--log_completions_every", "2", "--run_name", run_name, "--overwrite", "--seed", str(args.seed),
          "--steps", str(args.steps), *args.train_args], env, "grpo_vllm_one.py")
+    grpo_minutes = (time.time() - t_grpo) / 60
 
-    print("\n== 5/5 evaluate the trained model (after)", flush=True)
+    print(f"\n== 5/6 the control: supervised training continued from before for GRPO's {grpo_minutes:.1f} minutes",
+          flush=True)
+    control = os.path.join(run_dir, "control")
+    if os.path.isdir(control):  # an earlier demo's control in this run directory, which the trainer replaced
+        shutil.rmtree(control)
+    # its own problem draws (seed 1000 + S), not the supervised start's again
+    run(["tools/warm_start.py", "--model", before, "--out", control, *prompt, *CONTROL_FLAGS,
+         "--max_minutes", f"{grpo_minutes:.3f}", "--steps", "100000", "--seed", str(1000 + args.seed)],
+        env, "the supervised control")
+
+    print("\n== 6/6 evaluate GRPO's model (after) and the control", flush=True)
     figures["after"] = evaluate(os.path.join(run_dir, f"step_{args.steps}"), env, TEST,
                                 [*eval_args, "--details", details["after"]])
-    gain = paired_gain(read_details(details["before"]), read_details(details["after"]))
-    report = {name: {k: figures[name][k] for k in KEEP} for name in ("base", "before", "after")}
-    report["gain"] = {"accuracy": round(gain["gain"], 4), "ci95": [round(x, 4) for x in gain["ci95"]],
-                      "won": gain["won"], "lost": gain["lost"]}
+    figures["control"] = evaluate(control, env, TEST, [*eval_args, "--details", details["control"]])
+
+    report = {name: {k: figures[name][k] for k in KEEP} for name in MODELS}
+    report["gain_vs_before"] = gain_row(details["before"], details["after"])
+    report["gain_vs_control"] = gain_row(details["control"], details["after"])
+    report["grpo_minutes"] = round(grpo_minutes, 2)
     report["minutes"] = round((time.time() - t0) / 60, 2)
-    print(f"\n{'':<8}{'accuracy':>10}{'format':>10}{'acc in format':>15}{'tokens':>8}")
-    for name in ("base", "before", "after"):
-        r = report[name]
-        print(f"{name:<8}{r['accuracy']:>10.3f}{r['format_rate']:>10.3f}{r['accuracy_in_format']:>15.3f}"
-              f"{r['mean_tokens']:>8.1f}")
-    print(f"GRPO's gain in accuracy on the same {gain['n']} problems: {gain['gain']:+.3f}, 95% interval "
-          f"[{gain['ci95'][0]:+.3f}, {gain['ci95'][1]:+.3f}] (right after but not before: {gain['won']}, the "
-          f"other way: {gain['lost']}); "
-          f"{report['minutes']:.1f} minutes. Curves: runs/{run_name}/curves.png, report: runs/{run_name}/report.html")
+    print_report(report, run_name)
     print(json.dumps(report))
+
+
+def print_report(report, run_name):
+    labels = {"base": "base (untouched)", "before": "before (best supervised)",
+              "control": "control (more supervised)", "after": "after (GRPO)"}
+    print(f"\n{'':<27}{'accuracy':>10}{'format':>10}{'acc in format':>15}{'tokens':>8}")
+    for name in MODELS:
+        r = report[name]
+        print(f"{labels[name]:<27}{r['accuracy']:>10.3f}{r['format_rate']:>10.3f}{r['accuracy_in_format']:>15.3f}"
+              f"{r['mean_tokens']:>8.1f}")
+    for key, other in (("gain_vs_before", "before"), ("gain_vs_control", "the control")):
+        g = report[key]
+        print(f"GRPO's gain over {other} on the same {g['n']} problems: {g['accuracy']:+.3f}, 95% interval "
+              f"[{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}] (won {g['won']}, lost {g['lost']})")
+    print(f"GRPO learned from final answers only; the supervised start and the control from worked solutions. "
+          f"GRPO and the control each trained {report['grpo_minutes']:.1f} minutes; the demo took "
+          f"{report['minutes']:.1f}. Curves: runs/{run_name}/curves.png, report: runs/{run_name}/report.html")
 
 
 if __name__ == "__main__":

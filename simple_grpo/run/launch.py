@@ -1,6 +1,7 @@
 """Starting this project's own processes from a script or a test: the reference server in the background
 (ready once its /health answers), evaluate.py on a checkpoint, a free port. tools/demo.py, the benches
 and the tests use them; MODEL, TEST and TINY_WORLD_FLAGS are the tiny default world's."""
+import hashlib
 import json
 import os
 import socket
@@ -53,10 +54,11 @@ def start_ref_server(port, env, *args, token="", script="ref_server.py"):
     raise SystemExit(f"{script} did not answer /health within 120 s")
 
 
-def smollm2_warm_start(env):
-    """SmolLM2-135M-Instruct fetched and converted (tools/fetch_smollm2.py), then warm-started on the answer
-    format with the recipe's flags (tools/warm_start.py); both cached. Returns (base, warm) directories,
-    relative to the repository when inside it (the warm start's cache key holds the base's path)."""
+def smollm2_warm_start(env, flags=WARM_START_FLAGS):
+    """SmolLM2-135M-Instruct fetched and converted (tools/fetch_smollm2.py), then given its supervised start with
+    `flags` (tools/warm_start.py: by default the recipe's, to the dev plateau, the best checkpoint kept); both
+    cached, the start in a directory named for its flags. Returns (base, warm) directories, relative to the
+    repository when inside it (the warm start's cache key holds the base's path)."""
     fetched = subprocess.run([sys.executable, "tools/fetch_smollm2.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                              text=True)
     if fetched.returncode != 0:
@@ -64,9 +66,10 @@ def smollm2_warm_start(env):
                          "installs what it needs)")
     base = fetched.stdout.strip().splitlines()[-1]  # it prints the model's directory last
     base = os.path.relpath(base, ROOT) if base.startswith(ROOT + os.sep) else base
-    warm = base.rstrip("/") + "-warm"
-    proc = subprocess.run([sys.executable, "tools/warm_start.py", "--model", base, "--out", warm,
-                           "--system_prompt", SYSTEM_PROMPT, *WARM_START_FLAGS], cwd=ROOT, env=env)
+    flags = ["--system_prompt", SYSTEM_PROMPT, *flags]
+    warm = base.rstrip("/") + "-warm-" + hashlib.sha256(json.dumps(flags).encode()).hexdigest()[:8]
+    proc = subprocess.run([sys.executable, "tools/warm_start.py", "--model", base, "--out", warm, *flags],
+                          cwd=ROOT, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"tools/warm_start.py failed with exit code {proc.returncode}")
     return base, warm

@@ -8,11 +8,15 @@ docs/real_model.md has the search behind each value and what it changed."""
 SYSTEM_PROMPT = ("Solve the math problem. Think step by step inside <think> </think>, then write only the "
                  "final number inside <answer> </answer>.")
 
-# The supervised warm start (tools/warm_start.py): 60 steps x 8 of the training problems' solutions, half in
-# the <think>/<answer> format, half in other styles. At 20 and 40 steps greedy answers were all in format
-# (dev accuracy 0.27, 0.34: no format left for GRPO to learn); at 60 the greedy answer is mostly the bare
-# `<answer>N</answer>` (format 0.07 on dev) while sampling still reasons in format 16% of the time.
-WARM_START_FLAGS = ["--steps", "60", "--batch_size", "8", "--lr", "5e-5", "--in_format_share", "0.5"]
+# The supervised start ("before", tools/warm_start.py): batches of 8 of the training problems' worked solutions,
+# all in the <think>/<answer> format, trained until dev accuracy (200 dev problems, greedy, every 20 steps)
+# has not risen for 4 evaluations; the checkpoint with the best dev accuracy is kept. Chosen on dev accuracy
+# alone (docs/real_model.md, "The supervised curve").
+SUPERVISED_FLAGS = ["--batch_size", "8", "--lr", "5e-5", "--in_format_share", "1.0"]
+WARM_START_FLAGS = [*SUPERVISED_FLAGS, "--steps", "400", "--eval_every", "20", "--patience", "4"]
+# The control beside GRPO: the same supervised training continued from "before" for GRPO's minutes
+# (tools/demo_real.py adds --max_minutes and its own seed).
+CONTROL_FLAGS = SUPERVISED_FLAGS
 
 # GRPO: 4 problems x 8 completions a step; completions of the warm-started model are ~18 tokens (none cut at
 # 64). LoRA on every linear layer at lr 2e-4 (the tiny model's LoRA took 3e-4; 1e-5 moved SmolLM2's adapters
