@@ -25,7 +25,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from simple_grpo.task.problems import make_prompt, stop_token_ids  # noqa: E402
-from grpo_math import completion_mask, grpo_loss, sequence_logps  # noqa: E402
+from grpo_math import completion_mask, grpo_loss  # noqa: E402
+from simple_grpo.logprobs import sequence_logps  # noqa: E402
 from simple_grpo.rollouts import collate  # noqa: E402
 from simple_grpo.task.config import load_data  # noqa: E402
 from bench.harness import SamplerConfig  # noqa: E402

@@ -13,7 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from simple_grpo.task.problems import chat_prompt, load_jsonl
-from grpo_math import completion_mask, sequence_logps
+from grpo_math import completion_mask
+from simple_grpo.logprobs import sequence_logps
 from grpo_vllm_one import Config
 from simple_grpo.generation.schedule import sampling_version
 from simple_grpo.generation.vllm_sampler import sample, start_vllm

@@ -15,7 +15,8 @@ from tests.test_ref_server import server  # noqa: F401 - the live server fixture
 # reference from the adapters-off base, then the same groups through the ref server (which holds the base)
 UPDATE_SCRIPT = r"""
 import json, sys, torch
-from grpo_math import completion_mask, kl_estimate, sequence_logps
+from grpo_math import completion_mask, kl_estimate
+from simple_grpo.logprobs import sequence_logps
 from grpo_train import Config
 from simple_grpo.generation.hf_sampler import generate
 from simple_grpo.protocol import post_groups, take_group

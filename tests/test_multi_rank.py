@@ -23,7 +23,7 @@ from simple_grpo.trainer.deepspeed_engine import make_engine
 from grpo_train import Config
 from simple_grpo.trainer.config import check_options
 from simple_grpo.trainer.update import grpo_update
-from grpo_math import sequence_logps
+from simple_grpo.logprobs import sequence_logps
 from simple_grpo.run.checkpoints import save_checkpoint
 
 args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the deepspeed launcher adds it

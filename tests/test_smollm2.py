@@ -92,7 +92,7 @@ def test_evaluate_runs_the_model(smollm2, dtype):
 # ---------------------------------------------------------------------------- vLLM vs trainer log-probs
 def logp_differences(model_path, dtype):
     """Sample 2 prompts x 4 completions (<= 24 tokens, T = 0.7) with vLLM in `dtype`, as the generation
-    worker does, and compare the sampler's log-probs with the trainer's (grpo_math.sequence_logps on a
+    worker does, and compare the sampler's log-probs with the trainer's (simple_grpo.logprobs.sequence_logps on a
     transformers model in the same dtype) over the completion tokens. Starts a vLLM engine: run it in a
     process of its own."""
     from grpo_vllm_one import Config

@@ -4,7 +4,8 @@ import math
 
 import torch
 
-from grpo_math import completion_mask, grpo_loss, sequence_logps
+from grpo_math import completion_mask, grpo_loss
+from simple_grpo.logprobs import sequence_logps
 from simple_grpo.run.metrics import add_part_stats
 from simple_grpo.trainer.deepspeed_engine import grad_norm
 
