@@ -134,7 +134,7 @@ def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
         t0 = time.time()
         batch_problems, draws = rng.sample(problems, cfg.batch_prompts) + ask_again, draws + 1
         prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format, cfg.system_prompt) for p in batch_problems]
-        prompt_rows, completion_ids, old_logps = sample(llm, prompts, cfg, stop_ids)
+        prompt_rows, completion_ids, sampler_logps = sample(llm, prompts, cfg, stop_ids)
         mask = completion_mask(completion_ids, stop_ids)
         texts = tokenizer.batch_decode(completion_ids * mask.long() + tokenizer.pad_token_id * (1 - mask.long()),
                                        skip_special_tokens=True)
@@ -143,7 +143,7 @@ def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
         rewards, scores = score_groups(texts, batch_problems, G, reward_weights)
         meta = {"run_id": stream_id(run_id, ranks[batch_index % n], world, cfg, worker), "policy_version": version,
                 "temperature": cfg.temperature, "worker": worker}
-        groups, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, old_logps,
+        groups, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, sampler_logps,
                                          keep_equal=cfg.regroup, scale_rewards=cfg.scale_rewards, scores=scores)
         # to the trainer: through the ref server (it adds ref_logps), or straight (beta 0); progress to the bar
         generated += completion_ids.size(0)

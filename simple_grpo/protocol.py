@@ -20,7 +20,7 @@ TOKEN_ENV = "SIMPLE_GRPO_TOKEN"  # the shared secret, when the server listens be
 DEFAULT_PORT = 59875
 DEFAULT_REF_URL = f"http://127.0.0.1:{DEFAULT_PORT}"  # where `python ref_server.py` listens
 ROLLOUT_TENSORS = {"prompt_ids": 1, "completion_ids": 2, "rewards": 1, "advantages": 1}  # name: ndim
-OPTIONAL_TENSORS = {"old_logps": 2}
+OPTIONAL_TENSORS = {"sampler_logps": 2}
 
 
 def encode(tensors: dict, meta: dict) -> bytes:
@@ -50,7 +50,7 @@ def decode(body: bytes):
 def check_rollout(tensors, meta, vocab_size, max_len, max_group_size):
     """Raise ValueError naming the problem unless this is a well-formed group of rollouts:
     prompt_ids (P,) and completion_ids (G, C) int64 in the vocabulary, P + C <= max_len,
-    rewards and advantages (G,) finite floats, optional old_logps (G, C) finite floats,
+    rewards and advantages (G,) finite floats, optional sampler_logps (G, C) finite floats,
     meta with an integer policy_version and a positive finite temperature."""
     unknown = set(tensors) - set(ROLLOUT_TENSORS) - set(OPTIONAL_TENSORS)
     if unknown:
@@ -76,10 +76,10 @@ def check_rollout(tensors, meta, vocab_size, max_len, max_group_size):
             raise ValueError(f"{name} must be int64, got {t.dtype}")
         if t.min() < 0 or t.max() >= vocab_size:
             raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size})")
-    for name in ("rewards", "advantages", "old_logps"):
+    for name in ("rewards", "advantages", "sampler_logps"):
         if name not in tensors:
             continue
-        t, shape = tensors[name], ((G,) if name != "old_logps" else tuple(completion.shape))
+        t, shape = tensors[name], ((G,) if name != "sampler_logps" else tuple(completion.shape))
         if t.dtype not in (torch.float32, torch.float64) or tuple(t.shape) != shape:
             raise ValueError(f"{name} must be float32/64 of shape {shape}, got {t.dtype} {tuple(t.shape)}")
         if not torch.isfinite(t).all():
