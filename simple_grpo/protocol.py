@@ -169,3 +169,26 @@ def take_group(cfg, run_id, timeout, waiting=None, policy_version=None):
         if timeout is not None and time.time() - start > timeout:
             raise SystemExit(f"ref server at {cfg.ref_url} returned no finished group in {timeout:.0f} s: "
                              f"is it still working? (see its log)")
+
+
+def reference_logps_from_server(cfg, run_id, prompt_ids, prompt_mask, completion_ids, mask, rewards, advantages,
+                                meta, waiting=None):
+    """The reference model's per-token log-probs of a batch's completions, (Q*G, C), from the ref server.
+    Each prompt's group goes as one upload (the prompt without its padding, the completions cut after the
+    group's longest, mask (Q*G, C) saying where each ends); the server's one worker answers them first in,
+    first out, and the answers are padded back to (Q*G, C) with 0. waiting(group, waited_s) runs while it waits."""
+    Q, G = prompt_ids.size(0), completion_ids.size(0) // prompt_ids.size(0)
+    groups = []
+    for q in range(Q):
+        rows, C = slice(q * G, (q + 1) * G), int(mask[q * G:(q + 1) * G].sum(1).max())
+        groups.append(({"prompt_ids": prompt_ids[q][prompt_mask[q].bool()], "completion_ids": completion_ids[rows, :C],
+                        "rewards": rewards[rows].float(), "advantages": advantages[rows].float()}, meta))
+    post_groups(cfg, groups)
+    ref_logps = torch.zeros(completion_ids.shape)
+    for q, (sent, _) in enumerate(groups):
+        got, _ = take_group(cfg, run_id, cfg.ref_timeout, waiting and (lambda waited_s: waiting(q, waited_s)))
+        if not torch.equal(got["completion_ids"], sent["completion_ids"].cpu()):
+            raise SystemExit(f"the ref server answered group {q} of this batch with another group's tokens: is a "
+                             "second trainer using this run's id?")
+        ref_logps[q * G:(q + 1) * G, :got["ref_logps"].size(1)] = got["ref_logps"]
+    return ref_logps
