@@ -12,8 +12,8 @@ Every step, in order (the lines marked `# GRPO n.` below; the rest is plumbing f
   1. sample `batch_prompts` problems and generate `num_generations` completions for each with the
      policy itself (transformers generate, simple_grpo/generation/hf_sampler.py);
   2. score them (simple_grpo/task/rewards.py) and form group-relative advantages; keep the groups whose
-     rewards differ (in the others every advantage is 0: with beta > 0 they would still pull the
-     policy towards the reference, but GRPO, like TRL, spends no step on them);
+     rewards differ (in the others every advantage is 0: with beta > 0 their KL term would still pull
+     towards the reference; dropping them is a choice, TRL keeps them, and saves their compute);
   3. the reference model's log-probs of the same tokens, for the KL term: one call to ref_server.py
      (with LoRA: our own model, adapters off; with beta 0: none);
   4. the policy's log-probs (grpo_math.completion_logps: one forward, log_softmax, gather) and the GRPO

@@ -19,8 +19,10 @@ def score_groups(completions, problems, G, weights):
 def make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, sampler_logps=None, keep_equal=False,
                 scale_rewards="group", scores=None):
     """One group (tensors, meta) per prompt whose rewards differ, ready to post, and has_signal (Q,).
-    A group whose rewards are all equal teaches nothing (every advantage is 0): it is dropped,
-    unless keep_equal (regroup_ver/ pools it with other answers to the same question). scores: each
+    A group whose rewards are all equal has every advantage 0: no policy-gradient signal, though with
+    beta > 0 its KL term would still pull towards the reference. Dropping it is a choice (TRL keeps it),
+    which saves its compute; keep_equal keeps it (regroup_ver/ pools it with other answers to the same
+    question). scores: each
     completion's reward breakdown (task/rewards.py's score), carried in the group's meta for the
     completions log."""
     advantages = group_advantages(rewards, G, scale_rewards)

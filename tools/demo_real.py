@@ -18,7 +18,6 @@
 The trainer is stopped at the end, on errors, on Ctrl-C and on SIGTERM.
 """
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -26,7 +25,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-from simple_grpo.evaluation import paired_gain, read_details  # noqa: E402
+from simple_grpo.evaluation import paired_gain, print_before_after, read_details  # noqa: E402
 from simple_grpo.run.launch import ROOT, TEST, evaluate, smollm2_warm_start, stop  # noqa: E402
 from simple_grpo.run.smollm2_recipe import EVAL_FLAGS, SAMPLING_FLAGS, STEPS, SYSTEM_PROMPT, TRAIN_FLAGS  # noqa: E402
 
@@ -88,16 +87,11 @@ def main():
     report["gain"] = {"accuracy": round(gain["gain"], 4), "ci95": [round(x, 4) for x in gain["ci95"]],
                       "won": gain["won"], "lost": gain["lost"]}
     report["minutes"] = round((time.time() - t0) / 60, 2)
-    print(f"\n{'':<8}{'accuracy':>10}{'format':>10}{'acc in format':>15}{'tokens':>8}")
-    for name in ("base", "before", "after"):
-        r = report[name]
-        print(f"{name:<8}{r['accuracy']:>10.3f}{r['format_rate']:>10.3f}{r['accuracy_in_format']:>15.3f}"
-              f"{r['mean_tokens']:>8.1f}")
-    print(f"GRPO's gain in accuracy on the same {gain['n']} problems: {gain['gain']:+.3f}, 95% interval "
-          f"[{gain['ci95'][0]:+.3f}, {gain['ci95'][1]:+.3f}] (right after but not before: {gain['won']}, the "
-          f"other way: {gain['lost']}); "
-          f"{report['minutes']:.1f} minutes. Curves: runs/{run_name}/curves.png, report: runs/{run_name}/report.html")
-    print(json.dumps(report))
+    print_before_after(report, ("base", "before", "after"),
+                       f"GRPO's gain in accuracy on the same {gain['n']} problems: {gain['gain']:+.3f}, 95% interval "
+                       f"[{gain['ci95'][0]:+.3f}, {gain['ci95'][1]:+.3f}] (right after but not before: {gain['won']}, "
+                       f"the other way: {gain['lost']}); {report['minutes']:.1f} minutes. Curves: "
+                       f"runs/{run_name}/curves.png, report: runs/{run_name}/report.html")
 
 
 if __name__ == "__main__":
