@@ -1,4 +1,4 @@
-"""The GRPO math, written once and imported by both trainers and the reference server.
+"""The GRPO math, written once and imported by both trainers: grpo_train.py reads with it.
 
 For each prompt we sample a group of G completions, score them, and push up the
 log-probability of the better-than-average ones (Shao et al. 2024, DeepSeekMath):
@@ -13,6 +13,9 @@ grpo_objective, first below, is that loss in a dozen lines, for reading. grpo_lo
 the same number with the variants of the papers that followed as options (names as in TRL's
 GRPOConfig): how the tokens are averaged (loss_type), whether the ratio is per token or per
 sequence (importance_sampling_level, GSPO), which KL estimator, how rewards are scaled.
+
+completion_logps gives the log-probs these take, the plain way (one forward, log_softmax, gather);
+grpo_vllm_one.py takes the same numbers from simple_grpo/logprobs.py, in less time and memory.
 
 Shapes: Q prompts, G completions per prompt, B = Q*G rows (the G completions of a prompt one after
 another), P prompt tokens, C completion tokens, V the vocabulary.
@@ -37,127 +40,23 @@ def grpo_objective(logps, old_logps, ref_logps, rewards, mask, G, beta=0.04, eps
 
 
 # ---------------------------------------------------------------------------- log-probs
-class ChunkedLogProbs(torch.autograd.Function):
-    """log softmax(logits / T)[token_ids] and its gradient, a few rows at a time.
-
-    Forward keeps one row logsumexp per token; backward recomputes the softmax chunk by chunk:
-    d logp_t / d logit_v = (1[v = t] - softmax_v) / T. No (N, V) temporary is ever whole. When
-    the logits are an intermediate that nothing else reads (the lm_head output is: its backward
-    needs its input and weight, not its output), the gradient is written over them, so it
-    costs no new (N, V) tensor either."""
-
-    @staticmethod
-    def forward(ctx, logits, token_ids, temperature, chunk_rows):
-        V = logits.size(-1)
-        rows, ids = logits.reshape(-1, V), token_ids.reshape(-1, 1)
-        lse = torch.empty(rows.size(0), device=logits.device)
-        logps = torch.empty(rows.size(0), device=logits.device)
-        for i in range(0, rows.size(0), chunk_rows):
-            x = rows[i:i + chunk_rows].float() / temperature
-            lse[i:i + chunk_rows] = torch.logsumexp(x, dim=-1)
-            logps[i:i + chunk_rows] = x.gather(-1, ids[i:i + chunk_rows]).squeeze(-1) - lse[i:i + chunk_rows]
-        ctx.save_for_backward(logits, token_ids, lse)
-        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
-        ctx.overwrite = logits.grad_fn is not None and logits._base is None and logits.is_contiguous()
-        return logps.view(token_ids.shape)
-
-    @staticmethod
-    def backward(ctx, grad_logps):
-        logits, token_ids, lse = ctx.saved_tensors
-        V, c = logits.size(-1), ctx.chunk_rows
-        rows, ids = logits.reshape(-1, V), token_ids.reshape(-1, 1)
-        grad = rows if ctx.overwrite else torch.empty_like(rows)
-        g = grad_logps.reshape(-1, 1).float() / ctx.temperature
-        in_place = grad.dtype == torch.float32  # then each chunk's gradient is computed where it goes
-        for i in range(0, rows.size(0), c):
-            d = torch.div(rows[i:i + c], ctx.temperature, out=grad[i:i + c] if in_place else None).float()
-            d.sub_(lse[i:i + c, None]).exp_().mul_(-g[i:i + c])  # -softmax * g / T
-            d.scatter_add_(-1, ids[i:i + c], g[i:i + c])  # + 1[v = t] * g / T
-            if not in_place:
-                grad[i:i + c] = d
-        return grad.view(logits.shape), None, None, None
-
-
-def selective_log_softmax(logits, token_ids, temperature=1.0, chunk_rows=None):
-    """log softmax(logits / temperature)[token_ids], (B, T, V), (B, T) -> (B, T).
-
-    The memory-efficient torch path (ChunkedLogProbs): the full (B, T, V) log-softmax is never
-    held in memory, forward or backward. Dividing by the sampling temperature makes these the
-    log-probs of the distribution the tokens were drawn from."""
-    # ~4M logits (16 MB fp32) at a time on a CPU; on a GPU, 32M: fewer, larger kernels run faster
-    chunk_rows = chunk_rows or max(1, (1 << (22 if logits.device.type == "cpu" else 25)) // logits.size(-1))
-    return ChunkedLogProbs.apply(logits, token_ids, temperature, chunk_rows)
-
-
-def prefill_prompts(model, prompt_ids, prompt_mask, copies):
-    """Run each left-padded prompt once; the output keeps the last position's logits and a KV
-    cache holding `copies` copies of each prompt, one per completion to come (group after group).
-    Positions count real tokens only, as generation does."""
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0),
-                use_cache=True, logits_to_keep=1)
-    out.past_key_values.batch_repeat_interleave(copies)
-    return out
-
-
-def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, temperature=1.0, impl="torch", entropy=False):
-    """Per-token log-probs of the completion tokens under `model`, (Q*G, C); with entropy=True,
-    also the entropy of each position's distribution (token_entropy), from the same logits.
-
-    prompt_ids (Q, P) are left-padded; completion_ids (Q*G, C) are right-padded, the G
-    completions of each prompt one after another (G = 1 is a plain batch). The G
-    completions of a group share their prompt, and the prompt is most of the tokens
-    (~130 of ~150 here), so the prompt runs once and its KV cache is copied G times:
-    the same numbers as one forward over prompt + completion, for a fraction of the work.
-    Positions count real tokens only, as in generation, so the numbers match the sampler's."""
-    Q, B, C = prompt_ids.size(0), completion_ids.size(0), completion_ids.size(1)
-    if B % Q:
-        raise ValueError(f"{B} completions for {Q} prompts: expected the same number per prompt")
-    G = B // Q
-    module = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
-    if module.training and getattr(module, "is_gradient_checkpointing", False):
-        # checkpointed layers keep no KV cache while training: one forward over prompt + completion
-        ids = torch.cat([prompt_ids.repeat_interleave(G, dim=0), completion_ids], dim=1)
-        mask = torch.cat([prompt_mask.repeat_interleave(G, dim=0), torch.ones_like(completion_ids)], dim=1)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-                       use_cache=False, logits_to_keep=C + 1).logits[:, :-1]  # position P-1+t predicts token t
-        return log_probs_of(logits, completion_ids, temperature, impl, entropy)
-    # 1. the prompts, once each; the last prompt logit predicts the first completion token
-    out = prefill_prompts(model, prompt_ids, prompt_mask, G)
-    logits = [out.logits.repeat_interleave(G, dim=0)]
-    # 2. the completions on G copies of each prompt's cache; token t predicts token t+1
-    if C > 1:
-        mask = torch.cat([prompt_mask.repeat_interleave(G, dim=0), torch.ones_like(completion_ids)], dim=1)
-        positions = prompt_mask.sum(1).repeat_interleave(G)[:, None] + torch.arange(C - 1, device=mask.device)
-        logits.append(model(input_ids=completion_ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions,
-                            past_key_values=out.past_key_values, use_cache=True).logits)
-    return log_probs_of(torch.cat(logits, dim=1), completion_ids, temperature, impl, entropy)
-
-
-def log_probs_of(logits, token_ids, temperature, impl="torch", entropy=False):
-    """log softmax(logits / T)[token_ids] by the torch path or, with impl "triton", one fused
-    kernel per pass (triton_loss/): the same numbers. entropy=True: (logps, token_entropy)."""
-    if impl == "triton":
-        from triton_loss import selective_log_softmax_triton
-        logps = selective_log_softmax_triton(logits, token_ids, temperature)
-    else:
-        logps = selective_log_softmax(logits, token_ids, temperature)
-    return (logps, token_entropy(logits, temperature)) if entropy else logps
-
-
-@torch.no_grad()
-def token_entropy(logits, temperature=1.0, chunk_rows=None):
-    """The entropy -sum_v p_v log p_v of each position's sampling distribution p = softmax(logits / T),
-    (B, T, V) -> (B, T), a few rows at a time: H = logsumexp(x) - sum_v p_v x_v with x = logits / T.
-    A diagnostic (TRL's "entropy"): how sure the policy is; no gradient flows through it."""
-    V = logits.size(-1)
-    rows = logits.reshape(-1, V)
-    chunk_rows = chunk_rows or max(1, (1 << 22) // V)
-    out = torch.empty(rows.size(0), device=logits.device)
-    for i in range(0, rows.size(0), chunk_rows):
-        x = rows[i:i + chunk_rows].float() / temperature
-        lse = torch.logsumexp(x, dim=-1, keepdim=True)
-        out[i:i + chunk_rows] = lse.squeeze(-1) - (torch.exp(x - lse) * x).sum(-1)
-    return out.view(logits.shape[:-1])
+def completion_logps(model, prompt_ids, prompt_mask, completion_ids, temperature=1.0):
+    """log pi(token | the tokens before it) of each completion token, (B, C), and the entropy of each
+    position's distribution (a diagnostic: how sure the policy is), (B, C). One forward over prompt +
+    completion, log_softmax, gather. prompt_ids (Q, P) left-padded with prompt_mask; completion_ids (B, C)
+    right-padded, group after group. Dividing by the sampling temperature makes these the log-probs of
+    the distribution the tokens were drawn from."""
+    G, P = completion_ids.size(0) // prompt_ids.size(0), prompt_ids.size(1)
+    ids = torch.cat([prompt_ids.repeat_interleave(G, 0), completion_ids], 1)                 # (B, P + C)
+    mask = torch.cat([prompt_mask.repeat_interleave(G, 0), torch.ones_like(completion_ids)], 1)  # (B, P + C)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)             # count real tokens only, as generation does
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+    logits = logits[:, P - 1:-1].float() / temperature        # (B, C, V): position P-1+t predicts token t
+    all_logps = torch.log_softmax(logits, dim=-1)                                          # (B, C, V)
+    logps = all_logps.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)                 # (B, C)
+    with torch.no_grad():
+        entropy = -(all_logps.exp() * all_logps).sum(-1)                                   # (B, C)
+    return logps, entropy
 
 
 def is_truncated(completion_ids, stop_ids):

@@ -1,4 +1,6 @@
-"""grpo_train.py: the simplest complete GRPO trainer.
+"""grpo_train.py: the simplest complete GRPO trainer, one whole step in this file and grpo_math.py. One process
+samples with the policy itself and trains it; what only makes a step faster or bigger (several ranks,
+--micro_batch_groups, the shared-prompt log-prob path, --loss_impl triton) is grpo_vllm_one.py's.
 
     python ref_server.py &          # the frozen reference model, 127.0.0.1:59875
     python grpo_train.py            # tiny default model and toy task, on CPU
@@ -6,14 +8,17 @@
     python grpo_train.py --beta 0           # no KL term: no reference server at all
     python grpo_train.py --use_peft         # LoRA adapters; the base, adapters off, is the reference: no server
 
-Every step, in order:
-  1. sample `batch_prompts` problems and generate `num_generations` completions for each
-     with the policy itself (transformers generate, KV cache, temperature sampling);
-  2. score them (simple_grpo/task/rewards.py) and form group-relative advantages; groups whose rewards
-     are all equal teach nothing (every advantage is 0) and are dropped;
-  3. post the groups to the reference server and take them back with reference log-probs;
-  4. compute the GRPO loss (grpo_math.py) and take an optimizer step with DeepSpeed.
-Read the lines marked `# GRPO n.` for the algorithm; the rest is plumbing from simple_grpo/.
+Every step, in order (the lines marked `# GRPO n.` below; the rest is plumbing from simple_grpo/):
+  1. sample `batch_prompts` problems and generate `num_generations` completions for each with the
+     policy itself (transformers generate, simple_grpo/generation/hf_sampler.py);
+  2. score them (simple_grpo/task/rewards.py) and form group-relative advantages; keep the groups whose
+     rewards differ (in the others every advantage is 0: with beta > 0 their KL term would still pull
+     towards the reference; dropping them is a choice, TRL keeps them, and saves their compute);
+  3. the reference model's log-probs of the same tokens, for the KL term: one call to ref_server.py
+     (with LoRA: our own model, adapters off; with beta 0: none);
+  4. the policy's log-probs (grpo_math.completion_logps: one forward, log_softmax, gather) and the GRPO
+     loss (grpo_math.grpo_loss: grpo_objective with TRL's options); backward; one optimizer step
+     (DeepSpeed). --num_iterations > 1 repeats 4 on the same rollouts (PPO's epochs).
 It writes one JSON line per step to runs/NAME/metrics.jsonl, checkpoints to runs/NAME/step_N/
 (HF format, plus the state --resume continues from), and the curves to runs/NAME/curves.png.
 """
@@ -26,12 +31,11 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from grpo_math import completion_mask, is_truncated
-from simple_grpo.devices import max_over_ranks
+from grpo_math import completion_logps, completion_mask, group_advantages, grpo_loss, is_truncated
 from simple_grpo.flags import flag, parse_flags
 from simple_grpo.generation.hf_sampler import generate
-from simple_grpo.protocol import post_groups, ref_request, take_group, uses_ref_server
-from simple_grpo.rollouts import collate, make_groups, rollout_stats, score_groups
+from simple_grpo.protocol import ref_request, reference_logps_from_server, uses_ref_server
+from simple_grpo.rollouts import rollout_stats, score_groups
 from simple_grpo.run.checkpoints import check_run_dir, open_run, save_checkpoint
 from simple_grpo.run.completions_log import log_batch_completions
 from simple_grpo.run.doctor import RunDoctor, batch_summary
@@ -43,7 +47,7 @@ from simple_grpo.task.problems import make_prompt, stop_token_ids
 from simple_grpo.trainer.config import TrainerConfig, check_options
 from simple_grpo.trainer.deepspeed_engine import make_engine
 from simple_grpo.trainer.memory_plan import show_plan
-from simple_grpo.trainer.update import grpo_update, reference_logps
+from simple_grpo.trainer.update import loss_options, optimizer_step, step_stats
 
 
 @dataclass
@@ -54,103 +58,112 @@ class Config(TrainerConfig):
     threads: int = flag(2, "CPU threads for torch")
 
 
-# ---------------------------------------------------------------------------- the reference server
-def get_ref_logps(cfg, groups, run_id, bar):
-    """Post each group, take the finished groups back (FIFO) with ref_logps added; the bar says so."""
-    bar.set_description_str(f"posting {len(groups)} groups to the ref server")
-    post_groups(cfg, groups)
-    finished = []
-    for i in range(len(groups)):
-        def waiting(waited_s):
-            bar.set_description_str(f"waiting for the ref server's log-probs: group {i + 1}/{len(groups)} "
-                                    f"({waited_s:.0f} s, gives up after {cfg.ref_timeout:.0f} s)")
-        finished.append(take_group(cfg, run_id, cfg.ref_timeout, waiting)[0])
-    bar.set_description_str("grpo")
-    return finished
+def check_one_process(cfg):
+    """Stop, naming the trainer that has it, on what this one leaves to grpo_vllm_one.py."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    for asked, what in ((world > 1, f"{world} ranks"), (cfg.micro_batch_groups, "--micro_batch_groups"),
+                        (cfg.loss_impl != "torch", f"--loss_impl {cfg.loss_impl}")):
+        if asked:
+            raise SystemExit(f"{what}: grpo_train.py keeps one step simple (one process, one forward per update); "
+                             "grpo_vllm_one.py has it, with the same flags")
 
 
 def main(cfg: Config):
+    check_one_process(cfg)
     reward_weights, problems = check_options(cfg), load_data(cfg)
     show_plan(cfg)  # --plan prints it and stops here, before the run directory is looked at
     check_run_dir(cfg)  # a used runs/RUN_NAME/ needs --resume or --overwrite
     if uses_ref_server(cfg):
         ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent
-    if cfg.preflight and int(os.environ.get("RANK", "0")) == 0:
+    if cfg.preflight:
         preflight(cfg)
-    engine, tokenizer = make_engine(cfg)
-    rank, world, B = engine.global_rank, engine.world_size, cfg.batch_prompts
-    torch.manual_seed(cfg.seed + rank)  # each rank samples its own completions (a resume restores this state)
+    engine, tokenizer = make_engine(cfg)  # the policy, wrapped by DeepSpeed with its Adam
+    torch.manual_seed(cfg.seed)  # the sampling (a resume restores this state)
     rng = random.Random(cfg.seed)  # draws the problems: its state is the data position
     run_dir, metrics_path, first_step, state = open_run(cfg, engine)
     if state is not None:
         rng.setstate(state["data_rng"])
-    run_id, G = uuid.uuid4().hex, cfg.num_generations  # run_id tells this rank's groups from others'
+    run_id, B, G = uuid.uuid4().hex, cfg.batch_prompts, cfg.num_generations  # run_id: our groups in the server
     stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)  # EOS, and the chat template's turn end
-    # several ranks (deepspeed --num_gpus N, torchrun): each takes its share of the step's problems
-    # and samples with its own seed; DeepSpeed averages their gradients into one step
-    synced = cfg.zero_stage == 3 and world > 1  # ZeRO-3 gathers weights in every forward: all ranks run as many
-    doctor = RunDoctor(cfg, metrics_path) if rank == 0 else None  # plain-language warnings (run/doctor.py)
-    tracker = Tracker(cfg, run_dir) if rank == 0 else None  # --report_to tensorboard/wandb
+    doctor, tracker = RunDoctor(cfg, metrics_path), Tracker(cfg, run_dir)  # plain-language warnings; --report_to
 
-    bar = tqdm(range(first_step, cfg.steps + 1), desc="grpo", initial=first_step - 1, total=cfg.steps,
-               disable=rank != 0)
+    def waiting(group, waited_s):
+        bar.set_description_str(f"waiting for the ref server's log-probs: group {group + 1} ({waited_s:.0f} s, "
+                                f"gives up after {cfg.ref_timeout:.0f} s)")
+
+    bar = tqdm(range(first_step, cfg.steps + 1), desc="grpo", initial=first_step - 1, total=cfg.steps)
     for step in bar:
         t0 = time.time()
-        # GRPO 1. sample G completions per problem with the current policy (simple_grpo/generation/hf_sampler.py)
-        batch_problems = rng.sample(problems, B * world)[rank * B:(rank + 1) * B]
+        # GRPO 1. sample G completions per problem with the current policy (transformers generate)
+        batch_problems = rng.sample(problems, B)
         prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format, cfg.system_prompt) for p in batch_problems]
-        prompt_ids, prompt_mask, completion_ids = generate(engine.module, tokenizer, prompts, cfg, stop_ids, synced)
-        mask = completion_mask(completion_ids, stop_ids)
+        # prompt_ids, prompt_mask (B, P) left-padded; completion_ids (B*G, C) right-padded, group after group
+        prompt_ids, prompt_mask, completion_ids = generate(engine.module, tokenizer, prompts, cfg, stop_ids)
+        mask = completion_mask(completion_ids, stop_ids)  # (B*G, C): 1 up to and including the first stop token
         texts = tokenizer.batch_decode(completion_ids * mask.long() + tokenizer.pad_token_id * (1 - mask.long()),
                                        skip_special_tokens=True)
         gen_s = time.time() - t0
 
-        # GRPO 2. score them; group-relative advantages; groups whose rewards are all alike are dropped
-        rewards, scores = score_groups(texts, batch_problems, G, reward_weights)
-        prompt_rows = [ids[m.bool()] for ids, m in zip(prompt_ids, prompt_mask)]
-        meta = {"run_id": run_id, "policy_version": step, "temperature": cfg.temperature}
-        groups, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G, meta,
-                                         keep_equal=world > 1, scale_rewards=cfg.scale_rewards, scores=scores)
-        weight = 1.0
-        if world > 1:  # every rank must take part in the step: one with no signal trains a group at weight 0
-            weight = float(has_signal.any())
-            groups = [g for g, keep in zip(groups, has_signal.tolist()) if keep] or groups[:1]
-
-        # GRPO 3. reference log-probs for the KL term: from the server, or with LoRA from our own model with
-        # its adapters off (simple_grpo/trainer/update.py); none needed when beta is 0
+        # GRPO 2. score them; group-relative advantages; keep the groups whose rewards differ
+        rewards, scores = score_groups(texts, batch_problems, G, reward_weights)  # (B*G,), a breakdown each
+        advantages = group_advantages(rewards, G, cfg.scale_rewards).float()  # (B*G,)
+        has_signal = rewards.view(-1, G).std(1) > 0  # (B,)
+        rollout = rollout_stats(rewards, scores, mask, has_signal, gen_s, is_truncated(completion_ids, stop_ids))
+        kept, keep = has_signal.to(mask.device), has_signal.repeat_interleave(G).to(mask.device)  # groups, rows
+        prompt_ids, prompt_mask = prompt_ids[kept], prompt_mask[kept]  # (b / G, P) each
+        completion_ids, mask, advantages = completion_ids[keep], mask[keep], advantages.to(mask.device)[keep]  # b rows
         stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 1.0, "grad_norm": 0.0}
-        t1 = time.time()
-        if groups:
-            finished = get_ref_logps(cfg, groups, run_id, bar) if uses_ref_server(cfg) else [t for t, _ in groups]
-            batch = collate(finished, tokenizer.pad_token_id)
-            if cfg.beta != 0 and not uses_ref_server(cfg):
-                batch["ref_logps"] = reference_logps(engine, batch, cfg)
+        t1 = t2 = time.time()
+        if has_signal.any():
+            # GRPO 3. the reference model's log-probs of the same tokens, for the KL term
+            ref_logps = None  # beta 0: no KL term
+            if uses_ref_server(cfg):
+                meta = {"run_id": run_id, "policy_version": step, "temperature": cfg.temperature}
+                ref_logps = reference_logps_from_server(cfg, run_id, prompt_ids, prompt_mask, completion_ids, mask,
+                                                        rewards.to(mask.device)[keep], advantages, meta,
+                                                        waiting)  # (b, C)
+                bar.set_description_str("grpo")
+            elif cfg.beta != 0:  # --use_peft: the reference is our own base model, its adapters off
+                with engine.module.disable_adapter(), torch.no_grad():
+                    ref_logps, _ = completion_logps(engine, prompt_ids, prompt_mask, completion_ids, cfg.temperature)
+            ref_logps = None if ref_logps is None else ref_logps.to(mask.device)
             t2 = time.time()
-            # GRPO 4. the update: log-probs, grpo_math.grpo_loss, backward, one optimizer step
-            stats, logps = grpo_update(engine, batch, cfg, stop_ids, weight)
-        ref_s, compute_s = (t2 - t1, time.time() - t2) if groups else (0.0, 0.0)
+
+            # GRPO 4. the policy's log-probs, the GRPO loss, backward, one optimizer step
+            loss_mask = completion_mask(completion_ids, stop_ids, cfg.mask_truncated_completions)  # (b, C)
+            skipped = 0  # updates not taken: a NaN or inf in the gradient or the loss
+            for iteration in range(cfg.num_iterations):  # more than 1: PPO's epochs on the same rollouts
+                logps, entropy = completion_logps(engine, prompt_ids, prompt_mask, completion_ids,
+                                                  cfg.temperature)  # (b, C) each, b = G * groups kept
+                if iteration == 0:  # the policy that sampled is this one: ratio 1 now, the clip bounds the next
+                    old_logps = logps.detach()  # (b, C)
+                loss, stats = grpo_loss(logps, old_logps, ref_logps, advantages, loss_mask, **loss_options(cfg))
+                engine.backward(loss)
+                norm, stepped = optimizer_step(engine, loss.item())  # skipped if anything is NaN or inf
+                skipped += not stepped
+            tokens = loss_mask.sum().clamp(min=1).item()
+            stats.update(loss=loss.item(), entropy=(entropy * loss_mask).sum().item() / tokens,  # a token mean
+                         tokens=int(loss_mask.sum()), **step_stats(engine, norm, skipped, cfg.num_iterations))
 
         # log what we measured, a few completions, and what the run doctor makes of it
-        record = {"step": step, **rollout_stats(rewards, scores, mask, has_signal, gen_s,
-                                                is_truncated(completion_ids, stop_ids)),
-                  **stats, "ref_s": ref_s, "compute_s": compute_s, "step_s": time.time() - t0}
-        stop = None
-        if rank == 0:  # rank 0's own rollouts and loss
-            log_step(metrics_path, record, tracker)
-            if groups and weight and cfg.log_completions_every and step % cfg.log_completions_every == 0:
-                log_batch_completions(run_dir, step, tokenizer, batch, [s for _, m in groups for s in m["scores"]],
-                                      stop_ids, logps)
-            stop = doctor.batch(batch_summary(rewards, scores, texts, has_signal), step) or doctor.step(record)
+        record = {"step": step, **rollout, **stats, "ref_s": t2 - t1, "compute_s": time.time() - t2,
+                  "step_s": time.time() - t0}
+        log_step(metrics_path, record, tracker)
+        if has_signal.any() and cfg.log_completions_every and step % cfg.log_completions_every == 0:
+            batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+                     "advantages": advantages}
+            log_batch_completions(run_dir, step, tokenizer, batch, [s for s, k in zip(scores, keep.tolist()) if k],
+                                  stop_ids, logps.detach())
+        stop = doctor.batch(batch_summary(rewards, scores, texts, has_signal), step) or doctor.step(record)
         bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['accuracy']:.2f}",
                         fmt=f"{record['format_rate']:.2f}", kl=f"{record['kl']:.3f}")
-        stopping = bool(max_over_ranks(stop is not None))  # every rank stops with rank 0's doctor
-        if step % cfg.save_every == 0 or step == cfg.steps or stopping:
+        if step % cfg.save_every == 0 or step == cfg.steps or stop:
             save_checkpoint(engine, tokenizer, run_dir, step, {"data_rng": rng.getstate()})
-        if stopping:
-            finish_run(run_dir, step, rank, tracker)
-            raise SystemExit(stop or "stopped: rank 0's run doctor stopped the run")
+        if stop:
+            finish_run(run_dir, step, 0, tracker)
+            raise SystemExit(stop)
 
-    finish_run(run_dir, cfg.steps, rank, tracker)
+    finish_run(run_dir, cfg.steps, 0, tracker)
 
 
 if __name__ == "__main__":

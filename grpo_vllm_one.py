@@ -4,7 +4,7 @@
     python grpo_vllm_one.py                # tiny default model and toy task, on CPU
     deepspeed --include localhost:0 grpo_vllm_one.py --gen_device 1 --model Qwen/Qwen2.5-0.5B ...
 
-Two processes, one pipeline:
+Three processes, one pipeline (ref_server.py is the third; with --beta 0 there is none):
 
   generation worker (vLLM, its own device)        trainer (DeepSpeed, rank 0)
   ---------------------------------------------   ----------------------------------------
@@ -14,11 +14,14 @@ Two processes, one pipeline:
                                                   send the full weights in memory
 
 While the trainer computes step s, the worker already samples the batch for step s+1 with
-slightly older weights (never more than `max_policy_lag` versions). Each rollout carries the policy
-version and vLLM's log-probs; the update weights each token by min(pi_old / pi_vLLM, tis_cap)
-(truncated importance sampling), so it stays correct off-policy and across the two engines' numerics.
+slightly older weights (never more than `max_policy_lag` versions: the timeline is WorkerSchedule's
+docstring, simple_grpo/generation/schedule.py). Each rollout carries the policy version and vLLM's
+log-probs (sampler_logps); the update weights each token by min(pi_old / pi_vLLM, tis_cap) (truncated
+importance sampling), so it stays correct off-policy and across the two engines' numerics.
 Where sampling is the slow part, --gen_workers K runs K workers that make the batches in turn.
 
+Every step, in order: the worker's `# GRPO 1.` sample, `2.` score and group, then post; the trainer's
+`3.` take the batch with its reference log-probs, `4.` the update, `5.` send the new weights.
 Read the lines marked `# GRPO n.` for the algorithm (the loss itself: grpo_math.py); the rest is
 plumbing from simple_grpo/: the worker processes (generation/workers.py), the weight channel
 (generation/weight_sync.py), the waits (generation/progress.py), the run doctor (run/doctor.py).
@@ -26,7 +29,6 @@ plumbing from simple_grpo/: the worker processes (generation/workers.py), the we
 import dataclasses
 import logging
 import os
-import queue
 import random
 import signal
 import sys
@@ -42,9 +44,9 @@ from simple_grpo.devices import max_over_ranks
 from simple_grpo.flags import flag, parse_flags
 from simple_grpo.generation.config import GenerationConfig
 from simple_grpo.generation.progress import WorkerProgress
-from simple_grpo.generation.schedule import batch_worker, sampling_version, stream_id
+from simple_grpo.generation.schedule import WorkerSchedule, batch_worker, stream_id
 from simple_grpo.generation.vllm_sampler import sample, start_vllm
-from simple_grpo.generation.weight_sync import WeightSender, receive_weights, sync_weights
+from simple_grpo.generation.weight_sync import WeightSender, sync_weights
 from simple_grpo.generation.workers import (check_workers, draws_to_resume, local_world_size, start_workers,
                                             stop_workers, take_local_group, watch_parent)
 from simple_grpo.protocol import post_groups, ref_request, take_group, uses_ref_server
@@ -75,8 +77,9 @@ class Config(GenerationConfig, TrainerConfig):
 
 # ---------------------------------------------------------------------------- generation worker
 def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
-    """Worker process number `worker`: sample, score, post groups to the ref server (or, with beta 0,
-    hand them to the trainer through channels.groups) for the trainer ranks `ranks`; take new weights.
+    """Worker process number `worker`: take new weights (schedule), then GRPO 1 sample, 2 score and group, and
+    post the groups to the ref server (or, with beta 0, hand them to the trainer through channels.groups)
+    for the trainer ranks `ranks`.
     With K workers it makes batches worker, worker + K, ...; every batch, kept or dropped, is reported
     on channels.status (generation/progress.py)."""
     watch_parent(parent_pid)  # a trainer killed without clean-up must not leave this process behind
@@ -91,77 +94,50 @@ def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
     stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)
     reward_weights, problems = check_options(cfg), load_data(cfg)  # this process loads the reward file too
     rng, G = random.Random(cfg.seed + ranks[0] + 1000 * worker), cfg.num_generations  # each worker its own draws
-    # version: trainer steps in the loaded weights (None: resuming, the checkpoint's are on their way);
-    # draws: batches of problems taken from rng so far, the data position a checkpoint records
-    version, batch_index, draws, shared, load_s = (None if cfg.resume else 0), worker, 0, {}, 0.0
     generated, ask_again = 0, []  # completions made so far; regroup: questions to ask once more
     world = int(os.environ.get("WORLD_SIZE", "1"))
     n = len(ranks)  # batch b goes to rank ranks[b % n]
-    waiting_since, held = None, None  # when the worker began waiting for new weights; weights held back
+    # which weights sample which batch, and when to wait for them (its docstring has the timeline)
+    schedule = WorkerSchedule(cfg, llm, channels, n, first_batch=worker,
+                              skip_draws=lambda draws: [rng.sample(problems, cfg.batch_prompts) for _ in range(draws)])
     while not channels.stop.is_set():
-        # bounded staleness: batch b is trained at trainer step b+1, by weights of version b, and
-        # sampled by the weights of sampling_version(b) exactly, however far the trainer has got
-        # (regroup: the server evicts old answers instead, and answers 503 when enough are ready)
-        must_wait = version is None or (not cfg.regroup and batch_index // n - version > cfg.max_policy_lag)
-        message, held = held, None  # weights held back before the last batch come first
-        if message is None:
-            try:
-                message = channels.weights.get(timeout=1.0) if must_wait else channels.weights.get_nowait()
-            except queue.Empty:
-                pass
-        if message is not None and message[0] == "weights" and version is not None and not cfg.regroup:
-            due = sampling_version(batch_index // n, cfg)  # the version that samples this worker's next batch
-            if message[1] > due:
-                message, held = None, message  # too new for this batch: loaded once it is sampled
-            elif message[1] < due:  # too old (--gen_workers > 1: another worker's batch was sampled with it)
-                channels.loaded.value, message = message[1], None  # passed over, never loaded: its buffer is free
-        waiting_since = (waiting_since or time.time()) if must_wait and message is None else None
-        if waiting_since is not None and time.time() - waiting_since > cfg.data_timeout:
-            raise SystemExit(f"generation worker: no new weights from the trainer in {cfg.data_timeout:.0f} s "
-                             f"(it has version {version}, needs {batch_index // n - cfg.max_policy_lag})")
-        if message is not None and message[0] == "resume":  # continue at the checkpoint's step and data
-            _, batch_index, draws = message
-            for _ in range(draws):
-                rng.sample(problems, cfg.batch_prompts)
-        elif message is not None:  # load all weights that came before sampling more
-            t0 = time.time()
-            if (new_version := receive_weights(llm, message, shared, channels.loaded)) is not None:
-                version, load_s = new_version, time.time() - t0
-        if message is not None or must_wait:
+        if not schedule.ready():  # it took weights, or must wait for the ones its next batch is due
             continue
 
-        # GRPO 1. sample G completions per problem with the current policy (vLLM), with their log-probs
+        # GRPO 1. sample G completions per problem with weights version schedule.version (vLLM), with their log-probs
         t0 = time.time()
-        batch_problems, draws = rng.sample(problems, cfg.batch_prompts) + ask_again, draws + 1
+        batch_problems = rng.sample(problems, cfg.batch_prompts) + ask_again
+        schedule.draws += 1
         prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format, cfg.system_prompt) for p in batch_problems]
-        prompt_rows, completion_ids, old_logps = sample(llm, prompts, cfg, stop_ids)
+        prompt_rows, completion_ids, sampler_logps = sample(llm, prompts, cfg, stop_ids)
         mask = completion_mask(completion_ids, stop_ids)
         texts = tokenizer.batch_decode(completion_ids * mask.long() + tokenizer.pad_token_id * (1 - mask.long()),
                                        skip_special_tokens=True)
         gen_s = time.time() - t0
         # GRPO 2. score them; group-relative advantages; groups whose rewards are all alike are dropped
         rewards, scores = score_groups(texts, batch_problems, G, reward_weights)
-        meta = {"run_id": stream_id(run_id, ranks[batch_index % n], world, cfg, worker), "policy_version": version,
+        meta = {"run_id": stream_id(run_id, ranks[schedule.batch % n], world, cfg, worker),
+                "policy_version": schedule.version,
                 "temperature": cfg.temperature, "worker": worker}
-        groups, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, old_logps,
+        groups, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, sampler_logps,
                                          keep_equal=cfg.regroup, scale_rewards=cfg.scale_rewards, scores=scores)
-        # to the trainer: through the ref server (it adds ref_logps), or straight (beta 0); progress to the bar
         generated += completion_ids.size(0)
         stats = {**rollout_stats(rewards, scores, mask, has_signal, gen_s, is_truncated(completion_ids, stop_ids)),
-                 "weights_load_s": load_s, "generated": generated}
+                 "weights_load_s": schedule.load_s, "generated": generated}
         channels.status.put(("batch", {**batch_summary(rewards, scores, texts, has_signal), "posted": len(groups)}))
         if cfg.regroup:  # a second round for the fresh questions whose answers all scored alike but
             # differ: the model is unsure of those, and another round may bring another reward
             answers = [extract_answer(text) for text in texts]
             ask_again = [p for q, p in enumerate(batch_problems[:cfg.batch_prompts])
                          if not has_signal[q] and len(set(answers[q * G:(q + 1) * G])) > 1]
+        # post: to the trainer through the ref server (it adds ref_logps), or straight (beta 0)
         for _, m in groups:  # the trainer takes groups_in_batch groups as one batch
-            m.update(batch=batch_index, draws=draws, groups_in_batch=len(groups), stats=stats)
+            m.update(batch=schedule.batch, draws=schedule.draws, groups_in_batch=len(groups), stats=stats)
         if groups and uses_ref_server(cfg):
             post_groups(cfg, groups)
         for group in groups if not uses_ref_server(cfg) else []:
             channels.groups.put(group)  # local: tensors travel in shared memory, nothing is pickled over a network
-        batch_index += cfg.gen_workers if groups else 0  # a batch with no group kept is sampled again
+        schedule.sampled(kept=bool(groups))  # a batch with no group kept is sampled again
 
 
 # ---------------------------------------------------------------------------- training
@@ -255,11 +231,12 @@ def main(cfg: Config):
             if cfg.beta != 0 and not uses_ref_server(cfg):  # LoRA: the base model, adapters off
                 batch["ref_logps"] = reference_logps(engine, batch, cfg)
 
-            # GRPO 4. the update: grpo_math.grpo_loss on the batch, one optimizer step; old_logps are vLLM's
+            # GRPO 4. the update: grpo_math.grpo_loss on the batch, one optimizer step. The ratio's old_logps are
+            # the trainer's own; vLLM's sampler_logps weight each token (--tis_cap; with 0 they are old_logps)
             stats, logps = grpo_update(engine, batch, cfg, stop_ids)
             compute_s = time.time() - t0 - wait_s
 
-            # GRPO 5. the worker samples the next batches with the new policy (weights sent in memory)
+            # GRPO 5. send the new weights (in memory): version `step` samples the batch trained at step + 2
             if step % cfg.sync_every == 0 and step < cfg.steps:
                 sync_weights(sender, engine, step, cfg.zero_stage, check_alive, cfg.data_timeout)
             record = {"step": step, **meta["stats"], **stats, "policy_lag": step - 1 - oldest, "batch": meta["batch"],

@@ -4,7 +4,7 @@
 
 Methods, on logits of B x T x V (Qwen2.5's vocabulary by default), fp32:
   naive    (logits / T).log_softmax(-1).gather(...)   the (B, T, V) log-softmax and its gradient whole
-  chunked  grpo_math.selective_log_softmax            the torch path both trainers use
+  chunked  simple_grpo.logprobs.selective_log_softmax the torch path grpo_vllm_one uses
   triton   triton_loss.selective_log_softmax_triton   on a GPU only (Triton's CPU interpreter is a test tool)
 The logits are an intermediate, as a model's lm_head output is (here `leaf + 0`, whose backward
 passes the gradient on unchanged); the gradient reaches the leaf. Each method runs in a fresh
@@ -30,7 +30,7 @@ def measure(method, B, T, V, temperature, repeats):
     import psutil
     import torch
     sys.path.insert(0, ROOT)
-    from grpo_math import selective_log_softmax
+    from simple_grpo.logprobs import selective_log_softmax
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     torch.manual_seed(0)

@@ -25,7 +25,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from simple_grpo.task.problems import make_prompt, stop_token_ids  # noqa: E402
-from grpo_math import completion_mask, grpo_loss, sequence_logps  # noqa: E402
+from grpo_math import completion_mask, grpo_loss  # noqa: E402
+from simple_grpo.logprobs import sequence_logps  # noqa: E402
 from simple_grpo.rollouts import collate  # noqa: E402
 from simple_grpo.task.config import load_data  # noqa: E402
 from bench.harness import SamplerConfig  # noqa: E402
@@ -37,7 +38,7 @@ def gradient(model, batch, mask, temperature, old_from_sampler, tis_cap):
     t0 = time.time()
     model.zero_grad()
     logps = sequence_logps(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], temperature)
-    sampler = batch["old_logps"]
+    sampler = batch["sampler_logps"]
     if old_from_sampler:
         loss, stats = grpo_loss(logps, sampler, None, batch["advantages"], mask, beta=0.0)
     else:
@@ -73,7 +74,7 @@ def main():
     G = args.generations
     signs = torch.randint(0, 2, (completion_ids.size(0),), generator=torch.Generator().manual_seed(args.seed)) * 2 - 1
     groups = [{"prompt_ids": prompt_rows[q], "completion_ids": completion_ids[q * G:(q + 1) * G],
-               "old_logps": sampler_logps[q * G:(q + 1) * G], "advantages": signs[q * G:(q + 1) * G].float()}
+               "sampler_logps": sampler_logps[q * G:(q + 1) * G], "advantages": signs[q * G:(q + 1) * G].float()}
               for q in range(len(prompt_rows))]
     batch = collate(groups, tokenizer.pad_token_id)
     mask = completion_mask(batch["completion_ids"], stop_ids)
@@ -88,7 +89,7 @@ def main():
     with torch.no_grad():
         logps = sequence_logps(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
                                cfg.temperature).float()
-    gap = (logps - batch["old_logps"]).abs()[mask.bool()]
+    gap = (logps - batch["sampler_logps"]).abs()[mask.bool()]
     results.update(gap_mean=gap.mean().item(), gap_max=gap.max().item(), gap_p99=gap.quantile(0.99).item())
     for name, from_sampler, cap in (("no_tis", True, 0), ("tis", False, args.tis_cap)):
         g, stats = gradient(model, batch, mask, cfg.temperature, from_sampler, cap)

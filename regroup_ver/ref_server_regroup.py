@@ -48,7 +48,7 @@ class RegroupConfig(ServerConfig):
 
 class Pools:
     """Per (run, question): answers waiting to be served, each (completion_ids (C,), reward,
-    version, old_logps (C,)) trimmed at its EOS. Call under the server's lock."""
+    version, sampler_logps (C,)) trimmed at its EOS. Call under the server's lock."""
 
     def __init__(self, cfg, eos_token_id, pad_token_id):
         self.cfg, self.eos, self.pad = cfg, eos_token_id, pad_token_id
@@ -65,7 +65,7 @@ class Pools:
         lengths = completion_mask(tensors["completion_ids"], self.eos).sum(1).long().tolist()
         for i, n in enumerate(lengths):
             pool["answers"].append((tensors["completion_ids"][i, :n].clone(), float(tensors["rewards"][i]),
-                                    meta.get("policy_version", 0), tensors["old_logps"][i, :n].clone()))
+                                    meta.get("policy_version", 0), tensors["sampler_logps"][i, :n].clone()))
         self.stats["answers_in"] += len(lengths)
         if len(pool["answers"]) > self.cfg.pool_size:  # cap the pool: drop its oldest answers
             drop = len(pool["answers"]) - self.cfg.pool_size
@@ -118,7 +118,7 @@ class Pools:
                    "completion_ids": torch.stack([torch.nn.functional.pad(a[0], (0, C - a[0].numel()), value=self.pad)
                                                   for a in chosen]),
                    "rewards": rewards, "advantages": group_advantages(rewards, G),  # over the served group
-                   "old_logps": torch.stack([torch.nn.functional.pad(a[3], (0, C - a[3].numel())) for a in chosen])}
+                   "sampler_logps": torch.stack([torch.nn.functional.pad(a[3], (0, C - a[3].numel())) for a in chosen])}
         meta = {**pool["meta"], "policy_version": min(versions), "policy_versions": versions}
         return tensors, meta
 
@@ -150,9 +150,9 @@ def make_app(model, tokenizer, cfg: RegroupConfig):
     @app.post("/upload")
     def upload():
         _, tensors, meta = read_rollout(cfg, model.config, stats)
-        if "old_logps" not in tensors or tensors["completion_ids"].size(0) > cfg.pool_size:
+        if "sampler_logps" not in tensors or tensors["completion_ids"].size(0) > cfg.pool_size:
             stats["rejected"] += 1
-            return answer(400, f"regroup uploads need old_logps (behaviour log-probs) and at most "
+            return answer(400, f"regroup uploads need sampler_logps (behaviour log-probs) and at most "
                                f"{cfg.pool_size} completions")
         with lock:
             if todo.qsize() + done.qsize() >= cfg.max_ready:  # trainers are behind: generators wait

@@ -120,3 +120,19 @@ def context_length(tokenizer, prompts, max_new_tokens, model_dir):
                          f"completion needs {longest + max_new_tokens} positions, but {model_dir} has "
                          f"max_position_embeddings {limit}: lower --max_new_tokens, or evaluate shorter prompts")
     return longest + max_new_tokens
+
+
+TABLE_COLUMNS = {"accuracy": ("accuracy", 10, ".3f"), "format_rate": ("format", 10, ".3f"),
+                 "accuracy_in_format": ("acc in format", 15, ".3f"), "mean_tokens": ("tokens", 8, ".1f")}
+
+
+def print_before_after(report, names, last_line):
+    """The demos' end (tools/demo.py, tools/demo_real.py): a table of the evaluations `names` in report (a
+    row each, the columns of TABLE_COLUMNS they have), then last_line, then the whole report as one JSON
+    line, the one a script reads."""
+    columns = [k for k in TABLE_COLUMNS if k in report[names[0]]]
+    print("\n" + f"{'':<8}" + "".join(f"{TABLE_COLUMNS[k][0]:>{TABLE_COLUMNS[k][1]}}" for k in columns))
+    for name in names:
+        print(f"{name:<8}" + "".join(f"{report[name][k]:>{TABLE_COLUMNS[k][1]}{TABLE_COLUMNS[k][2]}}" for k in columns))
+    print(last_line)
+    print(json.dumps(report))

@@ -20,7 +20,7 @@ TOKEN_ENV = "SIMPLE_GRPO_TOKEN"  # the shared secret, when the server listens be
 DEFAULT_PORT = 59875
 DEFAULT_REF_URL = f"http://127.0.0.1:{DEFAULT_PORT}"  # where `python ref_server.py` listens
 ROLLOUT_TENSORS = {"prompt_ids": 1, "completion_ids": 2, "rewards": 1, "advantages": 1}  # name: ndim
-OPTIONAL_TENSORS = {"old_logps": 2}
+OPTIONAL_TENSORS = {"sampler_logps": 2}
 
 
 def encode(tensors: dict, meta: dict) -> bytes:
@@ -50,7 +50,7 @@ def decode(body: bytes):
 def check_rollout(tensors, meta, vocab_size, max_len, max_group_size):
     """Raise ValueError naming the problem unless this is a well-formed group of rollouts:
     prompt_ids (P,) and completion_ids (G, C) int64 in the vocabulary, P + C <= max_len,
-    rewards and advantages (G,) finite floats, optional old_logps (G, C) finite floats,
+    rewards and advantages (G,) finite floats, optional sampler_logps (G, C) finite floats,
     meta with an integer policy_version and a positive finite temperature."""
     unknown = set(tensors) - set(ROLLOUT_TENSORS) - set(OPTIONAL_TENSORS)
     if unknown:
@@ -76,10 +76,10 @@ def check_rollout(tensors, meta, vocab_size, max_len, max_group_size):
             raise ValueError(f"{name} must be int64, got {t.dtype}")
         if t.min() < 0 or t.max() >= vocab_size:
             raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size})")
-    for name in ("rewards", "advantages", "old_logps"):
+    for name in ("rewards", "advantages", "sampler_logps"):
         if name not in tensors:
             continue
-        t, shape = tensors[name], ((G,) if name != "old_logps" else tuple(completion.shape))
+        t, shape = tensors[name], ((G,) if name != "sampler_logps" else tuple(completion.shape))
         if t.dtype not in (torch.float32, torch.float64) or tuple(t.shape) != shape:
             raise ValueError(f"{name} must be float32/64 of shape {shape}, got {t.dtype} {tuple(t.shape)}")
         if not torch.isfinite(t).all():
@@ -169,3 +169,26 @@ def take_group(cfg, run_id, timeout, waiting=None, policy_version=None):
         if timeout is not None and time.time() - start > timeout:
             raise SystemExit(f"ref server at {cfg.ref_url} returned no finished group in {timeout:.0f} s: "
                              f"is it still working? (see its log)")
+
+
+def reference_logps_from_server(cfg, run_id, prompt_ids, prompt_mask, completion_ids, mask, rewards, advantages,
+                                meta, waiting=None):
+    """The reference model's per-token log-probs of a batch's completions, (Q*G, C), from the ref server.
+    Each prompt's group goes as one upload (the prompt without its padding, the completions cut after the
+    group's longest, mask (Q*G, C) saying where each ends); the server's one worker answers them first in,
+    first out, and the answers are padded back to (Q*G, C) with 0. waiting(group, waited_s) runs while it waits."""
+    Q, G = prompt_ids.size(0), completion_ids.size(0) // prompt_ids.size(0)
+    groups = []
+    for q in range(Q):
+        rows, C = slice(q * G, (q + 1) * G), int(mask[q * G:(q + 1) * G].sum(1).max())
+        groups.append(({"prompt_ids": prompt_ids[q][prompt_mask[q].bool()], "completion_ids": completion_ids[rows, :C],
+                        "rewards": rewards[rows].float(), "advantages": advantages[rows].float()}, meta))
+    post_groups(cfg, groups)
+    ref_logps = torch.zeros(completion_ids.shape)
+    for q, (sent, _) in enumerate(groups):
+        got, _ = take_group(cfg, run_id, cfg.ref_timeout, waiting and (lambda waited_s: waiting(q, waited_s)))
+        if not torch.equal(got["completion_ids"], sent["completion_ids"].cpu()):
+            raise SystemExit(f"the ref server answered group {q} of this batch with another group's tokens: is a "
+                             "second trainer using this run's id?")
+        ref_logps[q * G:(q + 1) * G, :got["ref_logps"].size(1)] = got["ref_logps"]
+    return ref_logps

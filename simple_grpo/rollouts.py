@@ -16,11 +16,13 @@ def score_groups(completions, problems, G, weights):
     return torch.tensor([s["reward"] for s in scores]), scores
 
 
-def make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, old_logps=None, keep_equal=False,
+def make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, sampler_logps=None, keep_equal=False,
                 scale_rewards="group", scores=None):
     """One group (tensors, meta) per prompt whose rewards differ, ready to post, and has_signal (Q,).
-    A group whose rewards are all equal teaches nothing (every advantage is 0): it is dropped,
-    unless keep_equal (regroup_ver/ pools it with other answers to the same question). scores: each
+    A group whose rewards are all equal has every advantage 0: no policy-gradient signal, though with
+    beta > 0 its KL term would still pull towards the reference. Dropping it is a choice (TRL keeps it),
+    which saves its compute; keep_equal keeps it (regroup_ver/ pools it with other answers to the same
+    question). scores: each
     completion's reward breakdown (task/rewards.py's score), carried in the group's meta for the
     completions log."""
     advantages = group_advantages(rewards, G, scale_rewards)
@@ -31,8 +33,8 @@ def make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, old_logps=N
         C = int(mask[rows].sum(1).max())  # trim the group's common padding
         tensors = {"prompt_ids": prompt_rows[q], "completion_ids": completion_ids[rows, :C],
                    "rewards": rewards[rows].float(), "advantages": advantages[rows].float()}
-        if old_logps is not None:
-            tensors["old_logps"] = old_logps[rows, :C].float()
+        if sampler_logps is not None:
+            tensors["sampler_logps"] = sampler_logps[rows, :C].float()
         groups.append((tensors, dict(meta, **({"scores": scores[rows]} if scores else {}))))
     return groups, has_signal
 
@@ -59,7 +61,7 @@ def collate(groups, pad_id):
     groups' completions right-padded, group after group (Q*G, C), with their per-token tensors."""
     P = max(g["prompt_ids"].numel() for g in groups)
     C = max(g["completion_ids"].size(1) for g in groups)
-    per_token = [k for k in ("ref_logps", "old_logps") if all(k in g for g in groups)]  # beta 0: no ref_logps
+    per_token = [k for k in ("ref_logps", "sampler_logps") if all(k in g for g in groups)]  # beta 0: no ref_logps
     rows = {k: [] for k in ("prompt_ids", "prompt_mask", "completion_ids", "advantages", *per_token)}
     for g in groups:
         p, c = g["prompt_ids"], g["completion_ids"]

@@ -35,10 +35,10 @@ def sync_and_sample(cfg, out, k, channels, parent_pid):
     while (version := receive_weights(llm, channels.weights.get(timeout=600), shared, channels.loaded)) is None:
         pass  # the first message hands over the buffers
     tok = llm.get_tokenizer()
-    prompt_rows, completion_ids, old_logps = sample(llm, prompts(llm), cfg)
+    prompt_rows, completion_ids, sampler_logps = sample(llm, prompts(llm), cfg)
     # where every thread of this process may run (vLLM's and OpenMP's included), and OpenMP's thread cap
     cores = sorted({c for t in psutil.Process().threads() for c in os.sched_getaffinity(t.id)})
-    out.put((k, version, prompt_rows, completion_ids, old_logps, completion_mask(completion_ids, tok.eos_token_id),
+    out.put((k, version, prompt_rows, completion_ids, sampler_logps, completion_mask(completion_ids, tok.eos_token_id),
              tok.pad_token_id, cores, os.environ.get("OMP_NUM_THREADS")))
     channels.stop.wait(600)  # the tensors above travel as shared memory this process must hold until read
 
@@ -61,10 +61,10 @@ def test_one_sync_reaches_both_workers_and_each_samples_with_the_trainers_weight
     if os.cpu_count() >= 2:  # a CPU machine: each worker's threads on a core of its own, the last for worker 0
         last = sorted(os.sched_getaffinity(0))[-2:]
         assert [(cores, threads) for *_, cores, threads in results] == [([last[1]], "1"), ([last[0]], "1")]
-    for k, _, prompt_rows, completion_ids, old_logps, mask, pad_id, *_ in results:  # each: a transformers forward's
+    for k, _, prompt_rows, completion_ids, sampler_logps, mask, pad_id, *_ in results:  # each: a transformers forward's
         logps = trainer_logps(policy, prompt_rows, completion_ids, pad_id)
-        assert mean_abs_diff(logps, old_logps, mask) <= 1e-3, k
-        assert ((logps - old_logps).abs() * mask).max().item() <= 1e-3, k
+        assert mean_abs_diff(logps, sampler_logps, mask) <= 1e-3, k
+        assert ((logps - sampler_logps).abs() * mask).max().item() <= 1e-3, k
 
 
 def trained_questions(run):

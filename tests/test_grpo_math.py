@@ -4,7 +4,10 @@ import math
 import pytest
 import torch
 
-from grpo_math import completion_mask, group_advantages, grpo_loss, selective_log_softmax, sequence_logps
+from grpo_math import completion_mask, group_advantages, grpo_loss
+
+
+from simple_grpo.logprobs import selective_log_softmax, sequence_logps
 
 
 def test_loss_equals_a_hand_computed_value():
@@ -143,6 +146,27 @@ def test_shared_prompt_logps_and_gradients_equal_one_forward_per_sequence():
     assert shared.shape == (Q * G, C)
     assert torch.allclose(shared, naive, atol=1e-5)
     assert torch.allclose(shared_grad, naive_grad, atol=1e-4)
+
+
+def test_the_plain_log_probs_grpo_train_reads_equal_the_fast_ones():
+    """grpo_math.completion_logps (one forward, log_softmax, gather: grpo_train.py's) and
+    simple_grpo.logprobs.sequence_logps (shared prompt, chunked: grpo_vllm_one.py's) give the same
+    log-probs, gradients and entropies, left padding included."""
+    from transformers import AutoModelForCausalLM
+    from grpo_math import completion_logps
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained("models/tiny-math", dtype=torch.float32)
+    prompt_ids, completion_ids = torch.randint(10, 500, (2, 9)), torch.randint(10, 500, (6, 5))
+    prompt_mask = torch.ones(2, 9, dtype=torch.long)
+    prompt_mask[1, :4] = 0  # the second prompt is shorter: left padding
+    fast, fast_entropy = sequence_logps(model, prompt_ids, prompt_mask, completion_ids, 0.7, entropy=True)
+    fast_grad = torch.autograd.grad(fast.sum(), model.model.embed_tokens.weight)[0]
+    plain, plain_entropy = completion_logps(model, prompt_ids, prompt_mask, completion_ids, 0.7)
+    plain_grad = torch.autograd.grad(plain.sum(), model.model.embed_tokens.weight)[0]
+    assert plain.shape == plain_entropy.shape == (6, 5)
+    assert torch.allclose(plain, fast, atol=1e-5)
+    assert torch.allclose(plain_grad, fast_grad, atol=1e-4)
+    assert torch.allclose(plain_entropy, fast_entropy, atol=1e-4)  # near 0 the two formulas round apart
 
 
 def test_completions_must_split_evenly_over_prompts():

@@ -13,10 +13,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_importing_grpo_train_starts_nothing_and_its_update_takes_the_loss_from_grpo_math():
     out = subprocess.run([sys.executable, "-c", "import grpo_train, grpo_math, simple_grpo.trainer.update as update; "
-                          "assert grpo_train.grpo_update is update.grpo_update; "
-                          "assert update.grpo_loss is grpo_math.grpo_loss; print('ok')"],
+                          "assert grpo_train.grpo_loss is update.grpo_loss is grpo_math.grpo_loss; "
+                          "assert grpo_train.completion_logps is grpo_math.completion_logps; print('ok')"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("flags, env, named", [(["--micro_batch_groups", "1"], {}, "--micro_batch_groups"),
+                                              (["--loss_impl", "triton"], {}, "--loss_impl triton"),
+                                              ([], {"WORLD_SIZE": "2"}, "2 ranks")])
+def test_what_only_the_fast_trainer_has_stops_naming_it(flags, env, named):
+    out = subprocess.run([sys.executable, "grpo_train.py", "--steps", "1", "--run_name", "test_fast_only", *flags],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+    assert out.returncode != 0 and named in out.stderr and "grpo_vllm_one.py" in out.stderr, out.stderr[-2000:]
 
 
 def test_without_a_ref_server_the_trainer_says_so():

@@ -13,7 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from simple_grpo.task.problems import chat_prompt, load_jsonl
-from grpo_math import completion_mask, sequence_logps
+from grpo_math import completion_mask
+from simple_grpo.logprobs import sequence_logps
 from grpo_vllm_one import Config
 from simple_grpo.generation.schedule import sampling_version
 from simple_grpo.generation.vllm_sampler import sample, start_vllm
@@ -54,13 +55,13 @@ def mean_abs_diff(a, b, mask):
 
 def test_before_any_update_vllm_sampling_logps_equal_the_trainers(llm, policy):
     tok = llm.get_tokenizer()
-    prompt_rows, completion_ids, old_logps = sample(llm, prompts(llm), CFG)
+    prompt_rows, completion_ids, sampler_logps = sample(llm, prompts(llm), CFG)
     assert completion_ids.shape[0] == 4 * CFG.num_generations
     mask = completion_mask(completion_ids, tok.eos_token_id)
     logps = trainer_logps(policy, prompt_rows, completion_ids, tok.pad_token_id)
     # vLLM reports log-probs after temperature (processed), the trainer divides logits by it: ratio ~ 1
-    assert mean_abs_diff(logps, old_logps, mask) <= 1e-3
-    assert ((logps - old_logps).abs() * mask).max().item() <= 1e-3
+    assert mean_abs_diff(logps, sampler_logps, mask) <= 1e-3
+    assert ((logps - sampler_logps).abs() * mask).max().item() <= 1e-3
 
 
 def test_after_a_sync_vllm_is_the_trainers_model(llm, policy):
@@ -77,9 +78,9 @@ def test_after_a_sync_vllm_is_the_trainers_model(llm, policy):
     assert version == loaded.value == 1
 
     # sampled-token log-probs equal a transformers forward with the new weights
-    prompt_rows, completion_ids, old_logps = sample(llm, prompts(llm), CFG)
+    prompt_rows, completion_ids, sampler_logps = sample(llm, prompts(llm), CFG)
     mask = completion_mask(completion_ids, tok.eos_token_id)
-    assert mean_abs_diff(trainer_logps(policy, prompt_rows, completion_ids, tok.pad_token_id), old_logps, mask) <= 1e-4
+    assert mean_abs_diff(trainer_logps(policy, prompt_rows, completion_ids, tok.pad_token_id), sampler_logps, mask) <= 1e-4
 
     # greedy output equals transformers' greedy generate with the new weights
     greedy = Config(**{**CFG.__dict__, "temperature": 0.0, "num_generations": 1})
@@ -105,12 +106,12 @@ def test_after_a_sync_vllm_is_base_plus_lora_adapters(llm, policy):
     WeightSender([weights_queue], [loaded]).send(peft_model, version=1)
     while receive_weights(llm, weights_queue.get(timeout=10), shared, loaded) is None:
         pass
-    prompt_rows, completion_ids, old_logps = sample(llm, prompts(llm), CFG)
+    prompt_rows, completion_ids, sampler_logps = sample(llm, prompts(llm), CFG)
     mask = completion_mask(completion_ids, tok.eos_token_id)
-    assert mean_abs_diff(trainer_logps(peft_model, prompt_rows, completion_ids, tok.pad_token_id), old_logps,
+    assert mean_abs_diff(trainer_logps(peft_model, prompt_rows, completion_ids, tok.pad_token_id), sampler_logps,
                          mask) <= 1e-4
     with peft_model.disable_adapter():  # and the adapters matter: the base alone computes something else
-        assert mean_abs_diff(trainer_logps(peft_model, prompt_rows, completion_ids, tok.pad_token_id), old_logps,
+        assert mean_abs_diff(trainer_logps(peft_model, prompt_rows, completion_ids, tok.pad_token_id), sampler_logps,
                              mask) > 1e-2
 
 
@@ -121,9 +122,9 @@ def test_a_sync_changes_what_vllm_computes(llm, policy):
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    prompt_rows, completion_ids, old_logps = sample(llm, prompts(llm), CFG)
+    prompt_rows, completion_ids, sampler_logps = sample(llm, prompts(llm), CFG)
     mask = completion_mask(completion_ids, tok.eos_token_id)
-    assert mean_abs_diff(trainer_logps(policy, prompt_rows, completion_ids, tok.pad_token_id), old_logps, mask) > 1e-2
+    assert mean_abs_diff(trainer_logps(policy, prompt_rows, completion_ids, tok.pad_token_id), sampler_logps, mask) > 1e-2
 
 
 def children_of(pid):

@@ -15,7 +15,8 @@ from tests.test_ref_server import server  # noqa: F401 - the live server fixture
 # reference from the adapters-off base, then the same groups through the ref server (which holds the base)
 UPDATE_SCRIPT = r"""
 import json, sys, torch
-from grpo_math import completion_mask, kl_estimate, sequence_logps
+from grpo_math import completion_mask, kl_estimate
+from simple_grpo.logprobs import sequence_logps
 from grpo_train import Config
 from simple_grpo.generation.hf_sampler import generate
 from simple_grpo.protocol import post_groups, take_group
@@ -134,10 +135,11 @@ def test_lora_resume_continues_the_same_run_step_for_step():
 
 
 @pytest.mark.slow
-def test_two_ranks_train_lora_adapters_under_zero_2():
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "grpo_train.py",
-                          "--use_peft", "--zero_stage", "2", "--steps", "2", "--batch_prompts", "2", "--threads", "1",
-                          "--run_name", "test_lora_two_ranks", "--overwrite"],
+def test_two_ranks_train_lora_adapters_under_zero_2(server):  # noqa: F811
+    """grpo_vllm_one.py (grpo_train.py runs one process); several ranks take their batches from a ref server."""
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "grpo_vllm_one.py",
+                          "--use_peft", "--ref_url", server, "--zero_stage", "2", "--steps", "2", "--batch_prompts", "2",
+                          "--threads", "1", "--run_name", "test_lora_two_ranks", "--overwrite"],
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = metrics("test_lora_two_ranks")

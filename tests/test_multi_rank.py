@@ -23,7 +23,7 @@ from simple_grpo.trainer.deepspeed_engine import make_engine
 from grpo_train import Config
 from simple_grpo.trainer.config import check_options
 from simple_grpo.trainer.update import grpo_update
-from grpo_math import sequence_logps
+from simple_grpo.logprobs import sequence_logps
 from simple_grpo.run.checkpoints import save_checkpoint
 
 args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the deepspeed launcher adds it
@@ -121,11 +121,10 @@ def test_the_ref_server_hands_each_run_its_own_groups_and_drops_stale_ones():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainer, stage, workers", [("grpo_train", 2, 0), ("grpo_vllm_one", 3, 1),
-                                                     ("grpo_vllm_one", 2, 2)])
+@pytest.mark.parametrize("trainer, stage, workers", [("grpo_vllm_one", 3, 1), ("grpo_vllm_one", 2, 2)])
 def test_two_ranks_with_a_ref_server(trainer, stage, workers):
-    """deepspeed --num_gpus 2: grpo_train's ranks each sample their own problems and take their own
-    groups back; grpo_vllm_one's one vLLM worker (on rank 0) makes a batch for each rank, which the
+    """deepspeed --num_gpus 2 (grpo_train.py runs one process: tests/test_grpo_train.py checks it says so):
+    grpo_vllm_one's one vLLM worker (on rank 0) makes a batch for each rank, which the
     server routes by run_id, and under ZeRO-3 both ranks gather the weights for each sync; with
     --gen_every 1 two workers (one per rank, as on two nodes) feed the one server. Every group comes
     back, rank 0 logs, the checkpoint is whole, and no process is left behind."""
@@ -170,8 +169,6 @@ def test_two_ranks_with_a_ref_server(trainer, stage, workers):
         stats = requests.get(f"http://127.0.0.1:{port}/stats", timeout=5).json()
         assert stats["groups_taken"] + stats["ready"] + stats["waiting"] == stats["groups_in"], stats  # none lost
         assert stats["groups_taken"] >= 2 * 3, stats  # each rank took at least a group a step
-        if trainer == "grpo_train":  # (grpo_vllm_one's worker may have made the next batches already)
-            assert stats["groups_taken"] == stats["groups_in"], stats
         assert len(family) >= 2 and len(spawned) == (workers if trainer == "grpo_vllm_one" else 0), spawned
         _, alive = psutil.wait_procs(family, timeout=30)
         assert not alive, [(p.pid, p.name()) for p in alive]

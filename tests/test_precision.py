@@ -8,7 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from simple_grpo.trainer.deepspeed_config import deepspeed_config
-from grpo_math import grpo_loss, sequence_logps, truncated_is_weight
+from grpo_math import grpo_loss, truncated_is_weight
+from simple_grpo.logprobs import sequence_logps
 from grpo_train import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -38,7 +38,7 @@ def valid_group(seed, G=4, P=9, C=7):
     tensors = {"prompt_ids": torch.randint(3, 500, (P,), generator=g),
                "completion_ids": torch.randint(3, 500, (G, C), generator=g),
                "rewards": torch.rand(G, generator=g), "advantages": torch.randn(G, generator=g),
-               "old_logps": -torch.rand(G, C, generator=g)}
+               "sampler_logps": -torch.rand(G, C, generator=g)}
     return tensors, {"policy_version": seed, "temperature": 1.0}
 
 
@@ -58,7 +58,7 @@ def hostile_bodies(rng):
     for i in range(200):  # wrong shapes
         t, m = valid_group(i)
         name, shape = rng.choice([("completion_ids", (4 * 7,)), ("completion_ids", (1, 4, 7)), ("prompt_ids", (3, 3)),
-                                  ("rewards", (5,)), ("advantages", (4, 1)), ("old_logps", (4, 6)),
+                                  ("rewards", (5,)), ("advantages", (4, 1)), ("sampler_logps", (4, 6)),
                                   ("completion_ids", (0, 7)), ("prompt_ids", (0,))])
         t[name] = torch.zeros(shape, dtype=t[name].dtype)
         bodies.append(("shape", encode(t, m)))
@@ -87,7 +87,7 @@ def hostile_bodies(rng):
         bodies.append(("vocab", encode(t, m)))
     for i in range(200):  # NaN or infinite rewards, advantages, log-probs
         t, m = valid_group(i)
-        name = rng.choice(["rewards", "advantages", "old_logps"])
+        name = rng.choice(["rewards", "advantages", "sampler_logps"])
         t[name].view(-1)[0] = rng.choice([float("nan"), float("inf"), -float("inf")])
         bodies.append(("nan", encode(t, m)))
     for i in range(200):  # pickle payloads, plain and torch.save's zip
@@ -103,7 +103,7 @@ def hostile_bodies(rng):
         t, m = valid_group(i)
         name, dtype = rng.choice([("prompt_ids", torch.int32), ("completion_ids", torch.float32),
                                   ("completion_ids", torch.bool), ("rewards", torch.int64),
-                                  ("advantages", torch.float16), ("old_logps", torch.int8)])
+                                  ("advantages", torch.float16), ("sampler_logps", torch.int8)])
         t[name] = t[name].to(dtype)
         bodies.append(("dtype", encode(t, m)))
     for i in range(150):  # missing or unexpected tensors

@@ -20,15 +20,15 @@ EOS, PAD = 1, 0
 
 
 def upload(question, rewards, version, answer_id, C=6, run_id="r"):
-    """One uploaded group: G answers to `question`; answer j's old_logps are all -(answer_id + j)/1000,
+    """One uploaded group: G answers to `question`; answer j's sampler_logps are all -(answer_id + j)/1000,
     so a served row tells which upload it came from."""
     G = len(rewards)
     completion = torch.full((G, C), 7)
     completion[:, -1] = EOS
-    old_logps = -(answer_id + torch.arange(G, dtype=torch.float32))[:, None].expand(G, C) / 1000
+    sampler_logps = -(answer_id + torch.arange(G, dtype=torch.float32))[:, None].expand(G, C) / 1000
     tensors = {"prompt_ids": torch.tensor([5, 6, question]), "completion_ids": completion,
                "rewards": torch.tensor(rewards, dtype=torch.float32), "advantages": torch.zeros(G),
-               "old_logps": old_logps.clone()}
+               "sampler_logps": sampler_logps.clone()}
     return tensors, {"run_id": run_id, "policy_version": version, "temperature": 0.7}
 
 
@@ -51,7 +51,7 @@ def test_served_groups_have_mixed_rewards_and_no_answer_past_the_lag():
             assert min(meta["policy_versions"]) >= pools.newest - cfg.max_policy_lag
             assert meta["policy_version"] == min(meta["policy_versions"])
             for row in range(8):  # each answer keeps its own reward, version and behaviour log-probs
-                answer = round(-tensors["old_logps"][row, 0].item() * 1000)
+                answer = round(-tensors["sampler_logps"][row, 0].item() * 1000)
                 assert uploaded[answer] == (tensors["rewards"][row].item(), meta["policy_versions"][row])
     assert served > 100 and pools.stats["answers_evicted"] > 0
     print(f"served {served} groups from 600 uploads; {pools.stats}")
@@ -117,7 +117,7 @@ def test_live_server_serves_mixed_fresh_groups_with_reference_logps(regroup_serv
     assert stats["answers_evicted"] == 4 and stats["groups_formed"] == 1
     # without behaviour log-probs an upload cannot be pooled
     tensors, meta = upload(12, [0.5, 1.5, 0.5, 1.5], 5, 200)
-    del tensors["old_logps"]
+    del tensors["sampler_logps"]
     assert post(url, tensors, meta).status_code == 400
     # trainers behind: once max_ready groups wait, uploads get 503
     codes = [post(url, *upload(20 + i, [0.5, 1.5, 0.5, 1.5], 5, 300 + 10 * i)).status_code for i in range(6)]

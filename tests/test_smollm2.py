@@ -92,7 +92,7 @@ def test_evaluate_runs_the_model(smollm2, dtype):
 # ---------------------------------------------------------------------------- vLLM vs trainer log-probs
 def logp_differences(model_path, dtype):
     """Sample 2 prompts x 4 completions (<= 24 tokens, T = 0.7) with vLLM in `dtype`, as the generation
-    worker does, and compare the sampler's log-probs with the trainer's (grpo_math.sequence_logps on a
+    worker does, and compare the sampler's log-probs with the trainer's (simple_grpo.logprobs.sequence_logps on a
     transformers model in the same dtype) over the completion tokens. Starts a vLLM engine: run it in a
     process of its own."""
     from grpo_vllm_one import Config
@@ -114,12 +114,12 @@ def logp_differences(model_path, dtype):
     problems = load_jsonl(os.path.join(ROOT, "data", "toy_math", "test.jsonl"))[:2]
     prompts = [chat_prompt(tokenizer, p["question"]) for p in problems]
     t0 = time.time()
-    prompt_rows, completion_ids, old_logps = sample(llm, prompts, cfg)
+    prompt_rows, completion_ids, sampler_logps = sample(llm, prompts, cfg)
     sample_s = time.time() - t0
     policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
     logps = trainer_logps(policy, prompt_rows, completion_ids, tokenizer.pad_token_id)
     mask = completion_mask(completion_ids, stop_token_ids(tokenizer)).bool()
-    diff = (logps.float() - old_logps.float()).abs()[mask]
+    diff = (logps.float() - sampler_logps.float()).abs()[mask]
     return {"dtype": dtype, "completions": completion_ids.shape[0], "tokens": int(mask.sum()),
             "mean_abs_diff": diff.mean().item(), "max_abs_diff": diff.max().item(),
             "vllm_start_s": round(start_s, 1), "sample_s": round(sample_s, 1)}

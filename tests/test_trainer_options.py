@@ -11,7 +11,8 @@ import torch
 
 import simple_grpo.task.rewards as rewards
 from simple_grpo.task.problems import chat_prompt, load_jsonl
-from grpo_math import completion_mask, sequence_logps
+from grpo_math import completion_mask
+from simple_grpo.logprobs import sequence_logps
 from simple_grpo.trainer.deepspeed_engine import make_engine
 from grpo_train import Config, main
 from simple_grpo.trainer.config import check_options

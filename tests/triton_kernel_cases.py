@@ -15,7 +15,8 @@ elif torch.cuda.is_available():
 else:
     raise pytest.UsageError("run with TRITON_INTERPRET=1 (tests/test_triton_loss.py does) or on a GPU")
 
-from grpo_math import grpo_loss, per_token_loss, sequence_logps  # noqa: E402
+from grpo_math import grpo_loss, per_token_loss  # noqa: E402
+from simple_grpo.logprobs import sequence_logps  # noqa: E402
 from triton_loss import per_token_loss_triton, selective_log_softmax_triton  # noqa: E402
 
 

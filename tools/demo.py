@@ -8,11 +8,10 @@
 3. trains with grpo_train.py or grpo_vllm_one.py (--trainer) into runs/NAME, replacing an earlier
    demo run of that name (the trainer's --overwrite);
 4. evaluates the final checkpoint the same way (the trainer has written runs/NAME/report.html);
-5. prints both and one last JSON line {"before": {...}, "after": {...}, "minutes": m}.
+5. prints both as a table and one last JSON line {"before": {...}, "after": {...}, "minutes": m}.
 The server and trainer are stopped at the end, on errors, on Ctrl-C and on SIGTERM.
 """
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -20,6 +19,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+from simple_grpo.evaluation import print_before_after  # noqa: E402
 from simple_grpo.run.launch import MODEL, ROOT, TINY_WORLD_FLAGS, evaluate, free_port, start_ref_server, stop  # noqa: E402
 
 # LoRA on the tiny model: adapters on every linear layer; lr 3e-4 (1e-3 learned less, and lost on seed 1:
@@ -60,10 +60,9 @@ def main():
     keep = ("accuracy", "format_rate", "accuracy_in_format", "n")
     report = {"before": {k: before[k] for k in keep}, "after": {k: after[k] for k in keep},
               "minutes": round((time.time() - t0) / 60, 2)}
-    print(f"\naccuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}, "
-          f"format {before['format_rate']:.3f} -> {after['format_rate']:.3f}; "
-          f"curves: runs/{run_name}/curves.png, report: runs/{run_name}/report.html")
-    print(json.dumps(report))
+    print_before_after(report, ("before", "after"),
+                       f"{report['minutes']:.1f} minutes. Curves: runs/{run_name}/curves.png, report: "
+                       f"runs/{run_name}/report.html")
 
 
 if __name__ == "__main__":

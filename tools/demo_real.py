@@ -29,7 +29,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-from simple_grpo.evaluation import paired_gain, read_details  # noqa: E402
+from simple_grpo.evaluation import paired_gain, print_before_after, read_details  # noqa: E402
 from simple_grpo.run.launch import ROOT, TEST, evaluate, smollm2_warm_start, stop  # noqa: E402
 from simple_grpo.run.smollm2_recipe import (CONTROL_FLAGS, EVAL_FLAGS, SAMPLING_FLAGS, STEPS, SYSTEM_PROMPT,  # noqa: E402
                                             TRAIN_FLAGS, WARM_START_FLAGS)
@@ -124,25 +124,21 @@ def main():
     report["gain_vs_control"] = gain_row(details["control"], details["after"])
     report["grpo_minutes"] = round(grpo_minutes, 2)
     report["minutes"] = round((time.time() - t0) / 60, 2)
-    print_report(report, run_name)
-    print(json.dumps(report))
+    print_before_after(report, MODELS, summary(report, run_name))
 
 
-def print_report(report, run_name):
-    labels = {"base": "base (untouched)", "before": "before (best supervised)",
-              "control": "control (more supervised)", "after": "after (GRPO)"}
-    print(f"\n{'':<27}{'accuracy':>10}{'format':>10}{'acc in format':>15}{'tokens':>8}")
-    for name in MODELS:
-        r = report[name]
-        print(f"{labels[name]:<27}{r['accuracy']:>10.3f}{r['format_rate']:>10.3f}{r['accuracy_in_format']:>15.3f}"
-              f"{r['mean_tokens']:>8.1f}")
-    for key, other in (("gain_vs_before", "before"), ("gain_vs_control", "the control")):
+def summary(report, run_name):
+    """The lines under the table: GRPO's paired gains, what each side learned from, the minutes."""
+    lines = []
+    for key, other in (("gain_vs_before", "before (the best supervised start)"),
+                       ("gain_vs_control", "the control (as many minutes more supervised)")):
         g = report[key]
-        print(f"GRPO's gain over {other} on the same {g['n']} problems: {g['accuracy']:+.3f}, 95% interval "
-              f"[{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}] (won {g['won']}, lost {g['lost']})")
-    print(f"GRPO learned from final answers only; the supervised start and the control from worked solutions. "
-          f"GRPO and the control each trained {report['grpo_minutes']:.1f} minutes; the demo took "
-          f"{report['minutes']:.1f}. Curves: runs/{run_name}/curves.png, report: runs/{run_name}/report.html")
+        lines.append(f"GRPO's gain over {other} on the same {g['n']} problems: {g['accuracy']:+.3f}, 95% interval "
+                     f"[{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}] (won {g['won']}, lost {g['lost']})")
+    lines.append(f"GRPO learned from final answers only; the supervised start and the control from worked "
+                 f"solutions. GRPO and the control each trained {report['grpo_minutes']:.1f} minutes; the demo took "
+                 f"{report['minutes']:.1f}. Curves: runs/{run_name}/curves.png, report: runs/{run_name}/report.html")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

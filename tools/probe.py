@@ -30,7 +30,8 @@ from simple_grpo.run.completions_log import completion_rows, log_completions, pi
 from simple_grpo.task.problems import make_prompt, stop_token_ids  # noqa: E402
 from simple_grpo.flags import flag, parse_flags  # noqa: E402
 from simple_grpo.evaluation import context_length  # noqa: E402
-from grpo_math import completion_mask, group_advantages, is_truncated, sequence_logps  # noqa: E402
+from grpo_math import completion_mask, group_advantages, is_truncated  # noqa: E402
+from simple_grpo.logprobs import sequence_logps  # noqa: E402
 from simple_grpo.rollouts import collate, make_groups, rollout_stats, score_groups  # noqa: E402
 from simple_grpo.generation.vllm_sampler import sample, start_vllm  # noqa: E402
 from simple_grpo.task.config import TaskConfig, check_task, load_data  # noqa: E402

@@ -2,7 +2,7 @@
 tools/explain_step.py's. grpo_vllm_one.py samples with vLLM instead (vllm_sampler.py)."""
 import torch
 
-from grpo_math import prefill_prompts
+from simple_grpo.logprobs import prefill_prompts
 
 
 def generate(model, tokenizer, prompts, cfg, stop_ids, synced_gpus=False):

@@ -37,7 +37,7 @@ def start_vllm(cfg, compile=False, block_size=None):
 def sample(llm, prompts, cfg, stop_ids=()):
     """G completions per prompt, each ending at its first stop token (or EOS): prompt rows [(P,)],
     completion_ids (Q*G, C) right-padded with pad, and the sampler's per-token log-probs
-    old_logps (Q*G, C), group after group."""
+    sampler_logps (Q*G, C), group after group."""
     from vllm import SamplingParams
     params = SamplingParams(n=cfg.num_generations, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
                             min_tokens=cfg.min_new_tokens, stop_token_ids=list(stop_ids),
@@ -48,9 +48,9 @@ def sample(llm, prompts, cfg, stop_ids=()):
     completions = [c for out in outputs for c in out.outputs]
     C = max(len(c.token_ids) for c in completions)
     completion_ids = torch.full((len(completions), C), pad, dtype=torch.long)
-    old_logps = torch.zeros(len(completions), C)
+    sampler_logps = torch.zeros(len(completions), C)
     for i, c in enumerate(completions):
         completion_ids[i, :len(c.token_ids)] = torch.tensor(c.token_ids)
-        old_logps[i, :len(c.token_ids)] = torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+        sampler_logps[i, :len(c.token_ids)] = torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
     prompt_rows = [torch.tensor(out.prompt_token_ids) for out in outputs]
-    return prompt_rows, completion_ids, old_logps
+    return prompt_rows, completion_ids, sampler_logps

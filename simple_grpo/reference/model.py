@@ -3,7 +3,7 @@ import os
 
 import torch
 
-from grpo_math import sequence_logps
+from simple_grpo.logprobs import sequence_logps
 from simple_grpo.protocol import TOKEN_ENV
 from simple_grpo.reference.http_server import is_loopback
 

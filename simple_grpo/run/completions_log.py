@@ -120,14 +120,14 @@ def completion_rows(tokenizer, prompts, completion_ids, mask, scores, advantages
 def log_batch_completions(run_dir, step, tokenizer, batch, scores, stop_ids, logps, groups=1):
     """A trainer's call: `groups` groups of the collated batch it just trained on (rollouts.py's collate)
     to run_dir/completions.jsonl, with the trainer's per-token log-probs `logps` (Q*G, C) and, where
-    another engine sampled (batch["old_logps"], vLLM's), the sampler's and the ratio pi_trainer / pi_sampler.
+    another engine sampled (batch["sampler_logps"], vLLM's), the sampler's and the ratio pi_trainer / pi_sampler.
     scores: each completion's reward breakdown, in the batch's order."""
     Q = batch["prompt_ids"].size(0)
     G = batch["completion_ids"].size(0) // Q
     prompts = [tokenizer.decode(ids[m.bool()], skip_special_tokens=False)
                for ids, m in zip(batch["prompt_ids"].cpu(), batch["prompt_mask"].cpu())]
     logps = logps.float().cpu()
-    sampler = batch["old_logps"].float().cpu() if "old_logps" in batch else None
+    sampler = batch["sampler_logps"].float().cpu() if "sampler_logps" in batch else None
     rows = completion_rows(tokenizer, prompts, batch["completion_ids"].cpu(),
                            completion_mask(batch["completion_ids"].cpu(), stop_ids), scores,
                            batch["advantages"].cpu(), G, logps=logps, sampler_logps=sampler,

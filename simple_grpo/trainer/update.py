@@ -1,12 +1,42 @@
-"""The GRPO update: log-probs of the batch under the policy, the loss (grpo_math.grpo_loss), backward, one
-optimizer step. Both trainers call grpo_update once per step on a collated batch of groups."""
+"""grpo_vllm_one.py's GRPO update: log-probs of the batch under the policy, the loss (grpo_math.grpo_loss),
+backward, one optimizer step, with what makes a step bigger (micro-batches, several ranks, several
+iterations) and faster (the shared-prompt log-prob path, simple_grpo/logprobs.py). grpo_train.py writes
+the same step out plainly and shares the pieces below: loss_options, optimizer_step, step_stats."""
 import math
 
 import torch
 
-from grpo_math import completion_mask, grpo_loss, sequence_logps
+from grpo_math import completion_mask, grpo_loss
+from simple_grpo.logprobs import sequence_logps
 from simple_grpo.run.metrics import add_part_stats
 from simple_grpo.trainer.deepspeed_engine import grad_norm
+
+
+def loss_options(cfg):
+    """grpo_math.grpo_loss's options, from the flags (names as in TRL's GRPOConfig)."""
+    return {"beta": cfg.beta, "epsilon": cfg.epsilon, "epsilon_high": cfg.epsilon_high, "loss_type": cfg.loss_type,
+            "importance_sampling_level": cfg.importance_sampling_level, "kl_estimator": cfg.kl_estimator,
+            "max_completion_length": cfg.max_new_tokens, "impl": cfg.loss_impl}
+
+
+def optimizer_step(engine, loss):
+    """One optimizer step on the gradients backward left, unless they or the loss hold a NaN or inf: one
+    such update would reach every weight through Adam's moments, so it is dropped. ZeRO 0 leaves the
+    gradients whole on the parameters, where we check them; ZeRO 1-3 check them in step() themselves.
+    Returns the gradients' norm (None under ZeRO 1-3) and whether the step was taken."""
+    norm = grad_norm(engine)
+    if norm is not None and not (math.isfinite(norm) and math.isfinite(loss)):
+        engine.optimizer.zero_grad(set_to_none=True)
+        return norm, False
+    engine.step()
+    return norm, engine.was_step_applied()
+
+
+def step_stats(engine, norm, skipped, iterations):
+    """What the optimizer says of a step, for the log: lr, grad_norm (None: no update was taken), skipped_updates."""
+    norm = norm if norm is not None else float(engine.get_global_grad_norm() or 0.0)
+    return {"lr": engine.get_lr()[0], "grad_norm": None if skipped == iterations else norm,
+            "skipped_updates": int(skipped)}
 
 
 def micro_batches(batch, cfg):
@@ -19,8 +49,8 @@ def micro_batches(batch, cfg):
 
 def reference_logps(engine, batch, cfg):
     """With LoRA (--use_peft, simple_grpo/lora.py), the reference's per-token log-probs of the batch's
-    completions: this very model with its adapters switched off, i.e. the frozen base, a micro-batch at a
-    time, no gradient."""
+    completions, (Q*G, C): this very model with its adapters switched off, i.e. the frozen base, a
+    micro-batch at a time, no gradient."""
     _, G, parts = micro_batches(batch, cfg)
     logps = []
     with engine.module.disable_adapter(), torch.no_grad():
@@ -35,60 +65,51 @@ def reference_logps(engine, batch, cfg):
 def grpo_update(engine, batch, cfg, stop_ids, weight=1.0):
     """The GRPO update on one collated batch: the loss's diagnostics, and the per-token log-probs.
 
-    old_logps are the current policy's own log-probs (ratio 1 on the first iteration). When
-    another engine sampled (vLLM, batch["old_logps"]: its own log-probs, of an older policy in
-    another precision), its numbers weight each token by truncated importance sampling (cfg.tis_cap;
-    grpo_math.truncated_is_weight), or, with tis_cap 0, stand in for the old policy's in the ratio.
-    num_iterations > 1 takes several steps on the same rollouts (PPO's epochs): from the
-    second on, the ratio moves off 1 and the clip bounds the update. With micro_batch_groups,
-    forward and backward go a few groups at a time and the gradients add up to the whole
-    batch's (each part's loss weighted by its share), for one optimizer step. weight 0: take part
-    in the step's collectives (several ranks) with no gradient of one's own. Returns the stats and
-    the last iteration's per-token log-probs (for the completions log)."""
+    old_logps, the old policy's log-probs in the ratio, are the trainer's own from the first iteration
+    (ratio 1 there). vLLM sampled the batch (batch["sampler_logps"]: its log-probs, of an older policy
+    in another precision): its numbers weight each token by truncated importance sampling (cfg.tis_cap;
+    grpo_math.truncated_is_weight), or, with tis_cap 0, stand in for old_logps. num_iterations > 1
+    takes several steps on the same rollouts (PPO's epochs): from the second on, the ratio moves off 1
+    and the clip bounds the update. With micro_batch_groups, forward and backward go a few groups at a
+    time and the gradients add up to the whole batch's, for one optimizer step. weight 0: take part in
+    the step's collectives (several ranks) with no gradient of one's own. Returns the stats and the
+    last iteration's per-token log-probs (for the completions log)."""
     batch = {k: v.to(engine.device) for k, v in batch.items()}
-    mask = completion_mask(batch["completion_ids"], stop_ids, cfg.mask_truncated_completions)
+    mask = completion_mask(batch["completion_ids"], stop_ids, cfg.mask_truncated_completions)  # (B, C)
     Q, G, parts = micro_batches(batch, cfg)
     token_mean = cfg.loss_type in ("bnpo", "dapo", "cispo")  # the others average over sequences first
-    old_logps, sampler_logps, skipped, norm = batch.get("old_logps"), None, 0, None
+    sampler_logps = batch.get("sampler_logps")  # (B, C) vLLM's; None where the trainer's own policy sampled
+    old_logps, skipped, norm = None, 0, None  # old_logps (B, C): set by the first iteration
     tis_cap = getattr(cfg, "tis_cap", 0.0)  # grpo_vllm_one's option: only it has a sampler of its own
-    if old_logps is not None and tis_cap > 0:
-        old_logps, sampler_logps = None, old_logps
+    if sampler_logps is not None and tis_cap == 0:  # no TIS: vLLM's numbers stand in for the old policy's
+        old_logps, sampler_logps = sampler_logps, None
     for _ in range(cfg.num_iterations):
         loss, stats, new_logps, entropy = 0.0, {}, [], 0.0
         for i, (q0, q1) in enumerate(parts):
             rows = slice(q0 * G, q1 * G)
             logps, part_entropy = sequence_logps(engine, batch["prompt_ids"][q0:q1], batch["prompt_mask"][q0:q1],
                                                  batch["completion_ids"][rows], cfg.temperature, impl=cfg.loss_impl,
-                                                 entropy=True)
+                                                 entropy=True)  # (b, C) each, b = (q1 - q0) * G
             new_logps.append(logps.detach())
-            ref = batch["ref_logps"][rows] if "ref_logps" in batch else None
+            ref = batch["ref_logps"][rows] if "ref_logps" in batch else None  # (b, C); None with beta 0
             part_loss, part_stats = grpo_loss(
                 logps, logps.detach() if old_logps is None else old_logps[rows], ref, batch["advantages"][rows],
-                mask[rows], beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-                loss_type=cfg.loss_type, importance_sampling_level=cfg.importance_sampling_level,
-                kl_estimator=cfg.kl_estimator, max_completion_length=cfg.max_new_tokens, impl=cfg.loss_impl,
-                sampler_logps=None if sampler_logps is None else sampler_logps[rows], tis_cap=tis_cap)
-            share = weight * ((mask[rows].sum() / mask.sum().clamp(min=1)).item() if token_mean else (q1 - q0) / Q)
+                mask[rows], sampler_logps=None if sampler_logps is None else sampler_logps[rows], tis_cap=tis_cap,
+                **loss_options(cfg))
+            # the part's share of the batch's loss, so the parts' gradients add up to the whole batch's: its
+            # tokens' share where the loss is a mean over all tokens, its sequences' share where it is a mean
+            # over sequences; times weight (0 on a rank with no signal: it joins the step, adds no gradient)
+            token_share = (mask[rows].sum() / mask.sum().clamp(min=1)).item()
+            share = weight * (token_share if token_mean else (q1 - q0) / Q)
             engine.set_gradient_accumulation_boundary(i == len(parts) - 1)  # one optimizer step after the last
             engine.backward(part_loss * share)
             loss += part_loss.item() * share
-            add_part_stats(stats, part_stats, (mask[rows].sum() / mask.sum().clamp(min=1)).item())
+            add_part_stats(stats, part_stats, token_share)  # the diagnostics are token means: weighted by tokens
             entropy += (part_entropy * mask[rows]).sum().item()
-        old_logps = torch.cat(new_logps) if old_logps is None else old_logps
-        # one NaN or inf in an update would reach every weight through Adam's moments: skip it.
-        # ZeRO 0 leaves the gradients whole on the parameters, where we check them; ZeRO 1-3
-        # check them in step() themselves.
-        norm = grad_norm(engine)
-        if norm is not None and not (math.isfinite(norm) and math.isfinite(loss)):
-            engine.optimizer.zero_grad(set_to_none=True)
-            skipped += 1
-            continue
-        engine.step()
-        skipped += not engine.was_step_applied()
+        old_logps = torch.cat(new_logps) if old_logps is None else old_logps  # (B, C)
+        norm, stepped = optimizer_step(engine, loss)
+        skipped += not stepped
     stats["loss"], stats["entropy"] = loss, entropy / mask.sum().clamp(min=1).item()
-    stats["lr"], stats["tokens"] = engine.get_lr()[0], int(mask.sum())  # tokens: completion tokens trained on
-    stats["grad_norm"] = norm if norm is not None else float(engine.get_global_grad_norm() or 0.0)
-    if skipped == cfg.num_iterations:
-        stats["grad_norm"] = None  # no update was taken
-    stats["skipped_updates"] = int(skipped)
+    stats["tokens"] = int(mask.sum())  # completion tokens trained on
+    stats.update(step_stats(engine, norm, skipped, cfg.num_iterations))
     return stats, torch.cat(new_logps)
