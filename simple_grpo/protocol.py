@@ -15,7 +15,7 @@ import requests
 import torch
 from safetensors.torch import load, save
 
-VERSION = 1
+VERSION = 2  # 2: vLLM's log-probs travel as sampler_logps (1 called them old_logps)
 TOKEN_ENV = "SIMPLE_GRPO_TOKEN"  # the shared secret, when the server listens beyond loopback
 DEFAULT_PORT = 59875
 DEFAULT_REF_URL = f"http://127.0.0.1:{DEFAULT_PORT}"  # where `python ref_server.py` listens

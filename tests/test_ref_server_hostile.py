@@ -25,7 +25,7 @@ import requests
 import torch
 from safetensors.torch import save
 
-from simple_grpo.protocol import decode, encode, post_groups
+from simple_grpo.protocol import VERSION, decode, encode, post_groups
 from tests.test_regroup import upload as regroup_group
 from simple_grpo.run.launch import MODEL, ROOT, free_port, start_ref_server
 
@@ -68,7 +68,7 @@ def hostile_bodies(rng):
             body = (2**62 + i).to_bytes(8, "little") + b"{}"
         elif kind == 1:  # a tensor whose bytes lie far past the body
             header = {"prompt_ids": {"dtype": "I64", "shape": [10**12], "data_offsets": [0, 8 * 10**12]},
-                      "__metadata__": {"json": json.dumps({"version": 1})}}
+                      "__metadata__": {"json": json.dumps({"version": VERSION})}}
             h = json.dumps(header).encode()
             body = len(h).to_bytes(8, "little") + h + b"\0" * 64
         elif kind == 2:  # a group of too many completions, or tokens past the model's length
@@ -76,7 +76,7 @@ def hostile_bodies(rng):
             body = encode(t, m)
         else:  # shape and data_offsets disagree
             header = {"rewards": {"dtype": "F32", "shape": [2**40], "data_offsets": [0, 16]},
-                      "__metadata__": {"json": json.dumps({"version": 1})}}
+                      "__metadata__": {"json": json.dumps({"version": VERSION})}}
             h = json.dumps(header).encode()
             body = len(h).to_bytes(8, "little") + h + b"\0" * 16
         bodies.append(("huge", body))
@@ -115,7 +115,7 @@ def hostile_bodies(rng):
         bodies.append(("fields", encode(t, m)))
     for i in range(150):  # bad metadata
         t, m = valid_group(i)
-        bad = [{"version": 2}, {"version": None}, {"temperature": 0}, {"temperature": -1.0},
+        bad = [{"version": VERSION + 1}, {"version": None}, {"temperature": 0}, {"temperature": -1.0},
                {"temperature": "hot"}, {"temperature": float("nan")}, {"policy_version": "3"},
                {"policy_version": 1.5}, {"policy_version": True}][i % 9]
         if "version" in bad:
