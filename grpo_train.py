@@ -30,7 +30,8 @@ from grpo_math import completion_mask, is_truncated
 from simple_grpo.devices import max_over_ranks
 from simple_grpo.flags import flag, parse_flags
 from simple_grpo.generation.hf_sampler import generate
-from simple_grpo.protocol import post_groups, ref_request, take_group, uses_ref_server
+from simple_grpo.protocol import post_groups, take_group, uses_ref_server
+from simple_grpo.reference.fingerprint import check_reference
 from simple_grpo.rollouts import collate, make_groups, rollout_stats, score_groups
 from simple_grpo.run.checkpoints import check_run_dir, open_run, save_checkpoint
 from simple_grpo.run.completions_log import log_batch_completions
@@ -74,7 +75,7 @@ def main(cfg: Config):
     show_plan(cfg)  # --plan prints it and stops here, before the run directory is looked at
     check_run_dir(cfg)  # a used runs/RUN_NAME/ needs --resume or --overwrite
     if uses_ref_server(cfg):
-        ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent
+        check_reference(cfg)  # fail fast if the server is absent, or serves another model than ours
     if cfg.preflight and int(os.environ.get("RANK", "0")) == 0:
         preflight(cfg)
     engine, tokenizer = make_engine(cfg)

@@ -47,7 +47,8 @@ from simple_grpo.generation.vllm_sampler import sample, start_vllm
 from simple_grpo.generation.weight_sync import WeightSender, receive_weights, sync_weights
 from simple_grpo.generation.workers import (check_workers, draws_to_resume, local_world_size, start_workers,
                                             stop_workers, take_local_group, watch_parent)
-from simple_grpo.protocol import post_groups, ref_request, take_group, uses_ref_server
+from simple_grpo.protocol import post_groups, take_group, uses_ref_server
+from simple_grpo.reference.fingerprint import check_reference
 from simple_grpo.rollouts import collate, make_groups, rollout_stats, score_groups
 from simple_grpo.run.checkpoints import check_run_dir, open_run, save_checkpoint
 from simple_grpo.run.completions_log import log_batch_completions
@@ -181,7 +182,7 @@ def main(cfg: Config):
     show_plan(cfg)  # --plan prints it and stops here, before the run directory is looked at
     check_run_dir(cfg)  # a used runs/RUN_NAME/ needs --resume or --overwrite
     if uses_ref_server(cfg):
-        ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent
+        check_reference(cfg)  # fail fast if the server is absent, or serves another model than ours
     if cfg.preflight and rank == 0:
         preflight(cfg)
     run_id = uuid.uuid4().hex  # tells this run's groups from any another run left in the server

@@ -34,6 +34,20 @@ def visible_gpus(physical, env=None):
     return [int(part) for part in ids]
 
 
+def physical_gpu(device):
+    """The physical id (as nvidia-smi numbers it) of a torch device string in this process, e.g. "cuda" under
+    CUDA_VISIBLE_DEVICES=7 is GPU 7; None for a CPU, or where CUDA_VISIBLE_DEVICES does not name GPUs by number."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    try:
+        visible = visible_gpus(physical_gpus())
+    except SystemExit:
+        return None
+    index = device.index or 0
+    return visible[index] if index < len(visible) else None
+
+
 def generation_gpus(gen_device, gen_tp, trainer_gpus, physical, worker=0, workers=1):
     """The physical GPU ids of generation worker `worker` (of `workers`), and whether it shares them
     with the trainer.
@@ -59,6 +73,21 @@ def generation_gpus(gen_device, gen_tp, trainer_gpus, physical, worker=0, worker
                          f"{listed} on this machine. --gen_device takes physical ids as nvidia-smi numbers them "
                          f"(the trainer uses {trainer_gpus})")
     return ids, any(g in trainer_gpus for g in ids)
+
+
+def auto_device(device, cuda_available=None):
+    """--device auto: "cuda" (the first visible GPU) where torch sees one, else "cpu"; any other value as given."""
+    if device != "auto":
+        return device
+    cuda_available = torch.cuda.is_available() if cuda_available is None else cuda_available
+    return "cuda" if cuda_available else "cpu"
+
+
+def auto_dtype(dtype, device):
+    """--dtype auto: bfloat16 on a GPU, float32 on a CPU (no bf16 units there: bf16 runs ~2x slower)."""
+    if dtype != "auto":
+        return dtype
+    return "float32" if torch.device(device).type == "cpu" else "bfloat16"
 
 
 def vllm_memory_share(gen_memory, shared_gpu):

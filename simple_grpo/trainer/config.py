@@ -55,6 +55,8 @@ class TrainerConfig(TaskConfig):
     ref_url: str = flag("", f"the reference server (python ref_server.py); default {DEFAULT_REF_URL}, and none "
                             "with --use_peft (the base model with the adapters off is the reference)")
     ref_token: str = flag("", "the ref server's shared token, if it has one (default: $SIMPLE_GRPO_TOKEN)")
+    ref_model_differs_ok: bool = flag(False, "go on when the ref server serves another model than --model (its /health "
+                                             "fingerprint differs): a different reference is meant")
     ref_timeout: float = flag(120.0, "seconds to wait for a finished group, or for room in a full queue")
     peer_timeout: float = flag(30.0, "seconds the ref server may not answer at all before the run stops")
     local_rank: int = flag(-1, "set by the deepspeed launcher")
