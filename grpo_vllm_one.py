@@ -46,7 +46,7 @@ from simple_grpo.generation.schedule import batch_worker, sampling_version, stre
 from simple_grpo.generation.vllm_sampler import sample, start_vllm
 from simple_grpo.generation.weight_sync import WeightSender, receive_weights, sync_weights
 from simple_grpo.generation.workers import (check_workers, draws_to_resume, local_world_size, start_workers,
-                                            stop_workers, take_local_group, watch_parent)
+                                            stop_workers, take_local_group, wait_for_vllm, watch_parent)
 from simple_grpo.protocol import post_groups, take_group, uses_ref_server
 from simple_grpo.reference.fingerprint import check_reference
 from simple_grpo.rollouts import collate, make_groups, rollout_stats, score_groups
@@ -216,6 +216,7 @@ def main(cfg: Config):
         return take_local_group(workers[k][1].groups, waiting)
 
     try:
+        wait_for_vllm(workers, cfg)  # on a GPU it shares with vLLM, the trainer loads once vLLM is up
         engine, tokenizer = make_engine(cfg)
         if world > 1:  # every rank takes its batches under the run_id of the worker that serves it
             run_ids = [None] * world

@@ -48,17 +48,18 @@ def physical_gpu(device):
     return visible[index] if index < len(visible) else None
 
 
-def generation_gpus(gen_device, gen_tp, trainer_gpus, physical, worker=0, workers=1):
+def generation_gpus(gen_device, gen_tp, trainer_gpus, physical, worker=0, workers=1, busy=()):
     """The physical GPU ids of generation worker `worker` (of `workers`), and whether it shares them
     with the trainer.
 
     gen_device >= 0: gen_tp GPUs from that physical id on (worker k: from gen_device + k * gen_tp).
-    -1: the k-th gen_tp GPUs that no trainer rank of this node uses, or, for a single worker where
-    there are not enough (one GPU), the trainer's own: vLLM then takes only its --gen_memory share."""
+    -1: the k-th gen_tp GPUs that no trainer rank of this node uses and that are not `busy` (the local
+    reference server's), or, for a single worker where there are not enough (one GPU), the trainer's
+    own: vLLM then takes only its --gen_memory share."""
     if gen_device >= 0:
         ids = list(range(gen_device + worker * gen_tp, gen_device + (worker + 1) * gen_tp))
     else:
-        free = [g for g in physical if g not in trainer_gpus]
+        free = [g for g in physical if g not in trainer_gpus and g not in busy]
         if len(free) >= workers * gen_tp:
             ids = free[worker * gen_tp:(worker + 1) * gen_tp]
         elif workers == 1:
@@ -88,6 +89,22 @@ def auto_dtype(dtype, device):
     if dtype != "auto":
         return dtype
     return "float32" if torch.device(device).type == "cpu" else "bfloat16"
+
+
+def reference_gpus(ref_url, token="", timeout=5.0):
+    """[the physical GPU] the reference server at ref_url reports in its /health, where that server runs on this
+    machine (a loopback address) and on a GPU; [] otherwise, or if it does not answer in `timeout` seconds."""
+    import requests
+    from urllib.parse import urlparse
+    host = urlparse(ref_url).hostname or ""
+    if not ref_url or not (host == "localhost" or host.startswith("127.") or host == "::1"):
+        return []
+    try:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        gpu = requests.get(ref_url + "/health", timeout=timeout, headers=headers).json().get("gpu")
+    except (requests.RequestException, ValueError):
+        return []
+    return [gpu] if isinstance(gpu, int) else []
 
 
 def vllm_memory_share(gen_memory, shared_gpu):

@@ -52,6 +52,8 @@ class TrainerConfig(TaskConfig):
     loss_impl: str = flag("torch", "triton: fused kernels (triton_loss/), the same numbers; torch where Triton can't")
     plan: bool = flag(False, "print the memory plan (simple_grpo/trainer/memory_plan.py) and exit")
     plan_gpu_gb: float = flag(0.0, "the GPU size to plan for (0: this machine's GPU)")
+    plan_gpus: int = flag(0, "GPUs on the node to plan for (0: this machine's; none here: vLLM on a GPU of its "
+                             "own); where vLLM shares a training GPU, its share counts there")
     ref_url: str = flag("", f"the reference server (python ref_server.py); default {DEFAULT_REF_URL}, and none "
                             "with --use_peft (the base model with the adapters off is the reference)")
     ref_token: str = flag("", "the ref server's shared token, if it has one (default: $SIMPLE_GRPO_TOKEN)")
