@@ -47,7 +47,10 @@ class TrainerConfig(TaskConfig):
     zero_stage: int = flag(0, "DeepSpeed ZeRO stage (0-3)")
     dtype: str = flag("float32", "float32, or bfloat16 (bf16 weights and activations, fp32 master weights and Adam)")
     gradient_checkpointing: bool = flag(False, "recompute activations in backward: less memory, ~1/3 more compute")
-    offload_optimizer: bool = flag(False, "ZeRO-1/2/3: optimizer state and fp32 master weights in host RAM")
+    offload_optimizer: bool = flag(False, "ZeRO-1/2/3: optimizer state and fp32 master weights in host RAM; "
+                                          "torch's fused AdamW steps them on the host's cores")
+    offload_threads: int = flag(0, "--offload_optimizer: torch threads for the host's optimizer step (0: the cores "
+                                   "this process may use / the node's training ranks)")
     deepspeed: str = flag("", "a whole DeepSpeed config (JSON): its values win over these flags, 'auto' takes theirs")
     loss_impl: str = flag("torch", "triton: fused kernels (triton_loss/), the same numbers; torch where Triton can't")
     plan: bool = flag(False, "print the memory plan (simple_grpo/trainer/memory_plan.py) and exit")
