@@ -3,10 +3,11 @@
 #               seed, TRAINER=grpo_train for the simple trainer instead of grpo_vllm_one, LORA=1 for adapters)
 #   make demo-real   a real pretrained model (SmolLM2-135M-Instruct) learns on this CPU (SEED=1 for another seed)
 #   make test   the test suite (what CI runs); `make test-all` adds the slow end-to-end tests
+#   make test-gpu   checks a GPU machine in one command (tests/test_gpu.py, ~20 min; skips where CUDA is absent)
 # Both create .venv/ and install the requirements on first use (tools/install.sh).
 PY := .venv/bin/python
 
-.PHONY: install demo demo-real test test-all bench-trl bench-trl-real bench-lora data model smollm2 probe report chromium clean
+.PHONY: install demo demo-real test test-all test-gpu bench-trl bench-trl-real bench-lora data model smollm2 probe report chromium clean
 
 install:
 	@bash tools/install.sh
@@ -22,10 +23,14 @@ demo-real: smollm2
 	$(PY) tools/demo_real.py --seed $(SEED)
 
 test: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not gpu"
 
 test-all: install
 	$(PY) -m pytest -q
+
+# The GPU tests (tests/test_gpu.py) and their summary; -rs prints why they skip where there is no CUDA.
+test-gpu: install
+	$(PY) -m pytest -q -rs -m gpu tests/test_gpu.py
 
 # TRL's GRPOTrainer against both trainers (README "Performance"); installs TRL, a bench-only dependency.
 bench-trl: install

@@ -6,7 +6,7 @@
 
 Greedy decoding by default. Generates with vLLM when it is installed (fast, batched),
 otherwise with transformers' generate (KV cache on), in --dtype float32 (default) or
-bfloat16. A completion ends at EOS or the chat template's turn end (stop_token_ids in
+bfloat16; either backend on the GPU where there is one (--device). A completion ends at EOS or the chat template's turn end (stop_token_ids in
 simple_grpo/task/problems.py); vLLM's context is sized to the longest prompt + max_new_tokens,
 so no answer is cut short by it (a model whose max_position_embeddings is smaller is refused). Each completion is scored by
 simple_grpo/task/rewards.py, the same code training uses, and the script prints a small table; with
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from simple_grpo.devices import auto_device
 from simple_grpo.evaluation import context_length, hf_generate, summarize, vllm_generate, write_details
 from simple_grpo.flags import flag, parse_flags
 from simple_grpo.lora import is_adapter_dir, merge_adapter_dir
@@ -43,6 +44,8 @@ class EvalConfig(DataConfig):
     max_new_tokens: int = flag(64, "the longest completion, in tokens")
     backend: str = flag("auto", "auto (vllm if installed, else hf), vllm or hf")
     dtype: str = flag("float32", "float32 or bfloat16, in either backend")
+    device: str = flag("auto", "where the hf backend runs: auto (the first visible GPU, else cpu), cpu, cuda, "
+                               "cuda:1, ...; vLLM takes the visible GPU by itself")
     answer_prefix: str = flag("", "text every answer is made to begin with (e.g. <think>), scored as part of it: "
                                   "what the model does once started in a format")
     seed: int = flag(0, "seed of the sampling")
@@ -84,6 +87,7 @@ def evaluate(cfg: EvalConfig, label=None):
                for p in problems]
     stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)
     max_model_len = context_length(tokenizer, prompts, cfg.max_new_tokens, cfg.model)
+    device = auto_device(cfg.device) if backend == "hf" else auto_device("auto")  # vLLM: the visible GPU, else CPU
     t0 = time.time()
     if backend == "vllm":
         completions, lengths = vllm_generate(cfg.model, prompts, samples=cfg.samples,
@@ -92,7 +96,8 @@ def evaluate(cfg: EvalConfig, label=None):
                                              dtype=cfg.dtype, max_model_len=max_model_len, stop_ids=stop_ids)
     elif backend == "hf":
         torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, cfg.dtype)).eval()
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, cfg.dtype))
+        model = model.to(device).eval()
         completions, lengths = hf_generate(model, tokenizer, prompts, samples=cfg.samples,
                                            temperature=cfg.temperature,
                                            max_new_tokens=cfg.max_new_tokens, stop_ids=stop_ids)
@@ -106,7 +111,7 @@ def evaluate(cfg: EvalConfig, label=None):
     if cfg.samples == 1:
         metrics.pop("pass_at_k")
     mode = "greedy" if cfg.temperature <= 0 else f"T={cfg.temperature}, {cfg.samples} samples"
-    print_table(metrics, f"{label or cfg.model} on {cfg.dataset} ({mode}, {backend}, {cfg.dtype})")
+    print_table(metrics, f"{label or cfg.model} on {cfg.dataset} ({mode}, {backend}, {cfg.dtype}, {device})")
     if cfg.json:
         print(json.dumps(metrics))
     return metrics

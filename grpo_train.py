@@ -34,7 +34,8 @@ from tqdm import tqdm
 from grpo_math import completion_logps, completion_mask, group_advantages, grpo_loss, is_truncated
 from simple_grpo.flags import flag, parse_flags
 from simple_grpo.generation.hf_sampler import generate
-from simple_grpo.protocol import ref_request, reference_logps_from_server, uses_ref_server
+from simple_grpo.protocol import reference_logps_from_server, uses_ref_server
+from simple_grpo.reference.fingerprint import check_reference
 from simple_grpo.rollouts import rollout_stats, score_groups
 from simple_grpo.run.checkpoints import check_run_dir, open_run, save_checkpoint
 from simple_grpo.run.completions_log import log_batch_completions
@@ -74,7 +75,7 @@ def main(cfg: Config):
     show_plan(cfg)  # --plan prints it and stops here, before the run directory is looked at
     check_run_dir(cfg)  # a used runs/RUN_NAME/ needs --resume or --overwrite
     if uses_ref_server(cfg):
-        ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent
+        check_reference(cfg)  # fail fast if the server is absent, or serves another model than ours
     if cfg.preflight:
         preflight(cfg)
     engine, tokenizer = make_engine(cfg)  # the policy, wrapped by DeepSpeed with its Adam

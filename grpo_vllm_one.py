@@ -48,8 +48,9 @@ from simple_grpo.generation.schedule import WorkerSchedule, batch_worker, stream
 from simple_grpo.generation.vllm_sampler import sample, start_vllm
 from simple_grpo.generation.weight_sync import WeightSender, sync_weights
 from simple_grpo.generation.workers import (check_workers, draws_to_resume, local_world_size, start_workers,
-                                            stop_workers, take_local_group, watch_parent)
-from simple_grpo.protocol import post_groups, ref_request, take_group, uses_ref_server
+                                            stop_workers, take_local_group, wait_for_vllm, watch_parent)
+from simple_grpo.protocol import post_groups, take_group, uses_ref_server
+from simple_grpo.reference.fingerprint import check_reference
 from simple_grpo.rollouts import collate, make_groups, rollout_stats, score_groups
 from simple_grpo.run.checkpoints import check_run_dir, open_run, save_checkpoint
 from simple_grpo.run.completions_log import log_batch_completions
@@ -157,7 +158,7 @@ def main(cfg: Config):
     show_plan(cfg)  # --plan prints it and stops here, before the run directory is looked at
     check_run_dir(cfg)  # a used runs/RUN_NAME/ needs --resume or --overwrite
     if uses_ref_server(cfg):
-        ref_request(cfg, "GET", "/health")  # fail fast, with a clear message, if the server is absent
+        check_reference(cfg)  # fail fast if the server is absent, or serves another model than ours
     if cfg.preflight and rank == 0:
         preflight(cfg)
     run_id = uuid.uuid4().hex  # tells this run's groups from any another run left in the server
@@ -191,6 +192,7 @@ def main(cfg: Config):
         return take_local_group(workers[k][1].groups, waiting)
 
     try:
+        wait_for_vllm(workers, cfg)  # on a GPU it shares with vLLM, the trainer loads once vLLM is up
         engine, tokenizer = make_engine(cfg)
         if world > 1:  # every rank takes its batches under the run_id of the worker that serves it
             run_ids = [None] * world

@@ -44,7 +44,7 @@ def main():
                  batch_prompts=PROMPTS, temperature=TEMPERATURE, gen_compile=args.gen_compile == "on",
                  dataset=os.path.join(ROOT, TRAIN))
     with contextlib.redirect_stdout(sys.stderr):  # worker 0's core and OpenMP settings, as in a run
-        _, env, cores = place_worker(cfg, 0)
+        _, env, cores, _ = place_worker(cfg, 0)
     block_size = int(os.environ.get("BENCH_BLOCK_SIZE", "0"))
     if not block_size:  # the parent: a fresh process per block size, its OpenMP set up before it starts
         for size in args.block_sizes.split(","):

@@ -34,17 +34,32 @@ def visible_gpus(physical, env=None):
     return [int(part) for part in ids]
 
 
-def generation_gpus(gen_device, gen_tp, trainer_gpus, physical, worker=0, workers=1):
+def physical_gpu(device):
+    """The physical id (as nvidia-smi numbers it) of a torch device string in this process, e.g. "cuda" under
+    CUDA_VISIBLE_DEVICES=7 is GPU 7; None for a CPU, or where CUDA_VISIBLE_DEVICES does not name GPUs by number."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    try:
+        visible = visible_gpus(physical_gpus())
+    except SystemExit:
+        return None
+    index = device.index or 0
+    return visible[index] if index < len(visible) else None
+
+
+def generation_gpus(gen_device, gen_tp, trainer_gpus, physical, worker=0, workers=1, busy=()):
     """The physical GPU ids of generation worker `worker` (of `workers`), and whether it shares them
     with the trainer.
 
     gen_device >= 0: gen_tp GPUs from that physical id on (worker k: from gen_device + k * gen_tp).
-    -1: the k-th gen_tp GPUs that no trainer rank of this node uses, or, for a single worker where
-    there are not enough (one GPU), the trainer's own: vLLM then takes only its --gen_memory share."""
+    -1: the k-th gen_tp GPUs that no trainer rank of this node uses and that are not `busy` (the local
+    reference server's), or, for a single worker where there are not enough (one GPU), the trainer's
+    own: vLLM then takes only its --gen_memory share."""
     if gen_device >= 0:
         ids = list(range(gen_device + worker * gen_tp, gen_device + (worker + 1) * gen_tp))
     else:
-        free = [g for g in physical if g not in trainer_gpus]
+        free = [g for g in physical if g not in trainer_gpus and g not in busy]
         if len(free) >= workers * gen_tp:
             ids = free[worker * gen_tp:(worker + 1) * gen_tp]
         elif workers == 1:
@@ -59,6 +74,37 @@ def generation_gpus(gen_device, gen_tp, trainer_gpus, physical, worker=0, worker
                          f"{listed} on this machine. --gen_device takes physical ids as nvidia-smi numbers them "
                          f"(the trainer uses {trainer_gpus})")
     return ids, any(g in trainer_gpus for g in ids)
+
+
+def auto_device(device, cuda_available=None):
+    """--device auto: "cuda" (the first visible GPU) where torch sees one, else "cpu"; any other value as given."""
+    if device != "auto":
+        return device
+    cuda_available = torch.cuda.is_available() if cuda_available is None else cuda_available
+    return "cuda" if cuda_available else "cpu"
+
+
+def auto_dtype(dtype, device):
+    """--dtype auto: bfloat16 on a GPU, float32 on a CPU (no bf16 units there: bf16 runs ~2x slower)."""
+    if dtype != "auto":
+        return dtype
+    return "float32" if torch.device(device).type == "cpu" else "bfloat16"
+
+
+def reference_gpus(ref_url, token="", timeout=5.0):
+    """[the physical GPU] the reference server at ref_url reports in its /health, where that server runs on this
+    machine (a loopback address) and on a GPU; [] otherwise, or if it does not answer in `timeout` seconds."""
+    import requests
+    from urllib.parse import urlparse
+    host = urlparse(ref_url).hostname or ""
+    if not ref_url or not (host == "localhost" or host.startswith("127.") or host == "::1"):
+        return []
+    try:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        gpu = requests.get(ref_url + "/health", timeout=timeout, headers=headers).json().get("gpu")
+    except (requests.RequestException, ValueError):
+        return []
+    return [gpu] if isinstance(gpu, int) else []
 
 
 def vllm_memory_share(gen_memory, shared_gpu):

@@ -39,6 +39,14 @@ def test_transformers_backend_gives_the_same_kind_of_report():
     assert result["n"] == 64 and 0.0 <= result["accuracy"] <= 1.0
 
 
+def test_the_report_names_the_device_the_default_picked_here():
+    """--device auto: the first visible GPU where torch sees one (tests/test_gpu.py), the CPU on this machine."""
+    out = subprocess.run([sys.executable, "evaluate.py", "--backend", "hf", "--n", "4"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "models/tiny-math on data/toy_math/test.jsonl (greedy, hf, float32, cpu)" in out.stdout
+
+
 def test_greedy_with_several_samples_is_refused():
     out = subprocess.run([sys.executable, "evaluate.py", "--samples", "4"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)

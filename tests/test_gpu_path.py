@@ -137,3 +137,28 @@ def test_the_recipe_stops_at_once_when_the_ref_server_dies_during_start_up():
     out = subprocess.run(["bash", "recipes/gsm8k.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "exited during start-up" in out.stderr, out.stderr[-2000:]
+
+
+def test_gen_device_minus_one_leaves_out_the_gpu_the_local_reference_server_reports():
+    # 3 GPUs: the trainer on 0, `CUDA_VISIBLE_DEVICES=1 python ref_server.py` on 1: vLLM takes 2
+    assert generation_gpus(-1, 1, [0], [0, 1, 2], busy=[1]) == ([2], False)
+    # 2 GPUs, the server on the other one: vLLM shares the trainer's (its 0.3 share), not the server's
+    assert generation_gpus(-1, 1, [0], [0, 1], busy=[1]) == ([0], True)
+    assert generation_gpus(1, 1, [0], [0, 1], busy=[1]) == ([1], False)  # a GPU named by the user is kept
+
+
+def test_the_gpu_a_reference_server_reports_is_read_from_its_health_on_loopback_only(tmp_path):
+    import requests
+    from simple_grpo.devices import physical_gpu, reference_gpus
+    from simple_grpo.run.launch import free_port, start_ref_server, stop
+    assert physical_gpu("cpu") is None
+    port = free_port()
+    proc = start_ref_server(port, dict(os.environ))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert requests.get(url + "/health", timeout=10).json()["gpu"] is None  # on the CPU here
+        assert reference_gpus(url) == []
+    finally:
+        stop(proc)
+    assert reference_gpus(f"http://127.0.0.1:{port}", timeout=1) == []  # nobody answers: nothing left out
+    assert reference_gpus("http://10.1.2.3:59875") == []  # another machine's GPUs are not this node's

@@ -1,4 +1,5 @@
-"""The install steps in the repo's own files, run as a fresh machine runs them (slow: a full install)."""
+"""The install steps in the repo's own files: the GPU driver check (fast, with an nvidia-smi that reports a
+given driver), and a full install as a fresh machine runs it (slow)."""
 import os
 import shutil
 import subprocess
@@ -28,3 +29,47 @@ def test_the_bench_extras_install_leaves_vllm_and_trl_importable(tmp_path):
         assert check.returncode == 0 and check.stdout.strip() == "None", check.stderr[-3000:]
     finally:
         shutil.rmtree(tmp_path / ".venv", ignore_errors=True)  # a full install: about 4 GB
+
+
+FAKE_NVIDIA_SMI = """#!/bin/sh
+# a test input: answers as nvidia-smi does on a machine with one GPU and driver {version}
+case "$*" in
+    *driver_version*) echo "{version}" ;;
+    *) echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)" ;;
+esac
+"""
+
+
+def with_nvidia_smi(tmp_path, version):
+    """An environment whose PATH finds an nvidia-smi that reports this driver version first."""
+    folder = tmp_path / f"bin_{version}"
+    folder.mkdir()
+    (folder / "nvidia-smi").write_text(FAKE_NVIDIA_SMI.format(version=version))
+    (folder / "nvidia-smi").chmod(0o755)
+    return {**os.environ, "PATH": f"{folder}:{os.environ['PATH']}"}
+
+
+def test_a_driver_older_than_cuda_13_needs_is_named_with_the_pins_and_the_ways_out(tmp_path):
+    out = subprocess.run(["bash", "tools/check_gpu_driver.sh"], cwd=ROOT, env=with_nvidia_smi(tmp_path, "535.104.05"),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert out.stderr.splitlines()[0] == ("The NVIDIA driver here is 535.104.05, but requirements.txt pins "
+                                          "torch==2.13.0 vllm==0.32.0, built for CUDA 13, which needs driver 580 "
+                                          "or newer.")
+    assert "SIMPLE_GRPO_REQUIREMENTS=requirements-cpu.txt make install" in out.stderr
+
+
+def test_a_driver_of_580_or_newer_passes(tmp_path):
+    out = subprocess.run(["bash", "tools/check_gpu_driver.sh"], cwd=ROOT, env=with_nvidia_smi(tmp_path, "580.65.06"),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "NVIDIA driver 580.65.06: 580 or newer" in out.stdout, out.stderr
+
+
+def test_the_install_stops_before_making_a_venv_on_an_old_driver(tmp_path):
+    for name in ("requirements.txt", "requirements-cpu.txt", "tools/install.sh", "tools/check_gpu_driver.sh"):
+        os.makedirs(tmp_path / "repo" / os.path.dirname(name), exist_ok=True)
+        shutil.copy(os.path.join(ROOT, name), tmp_path / "repo" / name)
+    out = subprocess.run(["bash", "tools/install.sh"], cwd=tmp_path / "repo", env=with_nvidia_smi(tmp_path, "550.54.15"),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "The NVIDIA driver here is 550.54.15" in out.stderr
+    assert not (tmp_path / "repo" / ".venv").exists()

@@ -164,3 +164,23 @@ def test_the_trainers_plan_flag_prints_the_plan_and_its_json_line_before_loading
     out = subprocess.run([sys.executable, "grpo_train.py", "--plan", *fp32], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0 and json.loads(out.stdout.strip().splitlines()[-1])["fits"] is False
+
+
+def test_vllm_on_the_training_gpu_counts_its_share_there():
+    """The issue's case: 0.5B in fp32 needs 57.6 GB to train; on one shared 80 GB GPU vLLM takes 0.3 of it first."""
+    recipe = dict(model=QWEN["0.5b"], dtype="float32", zero_stage=2, offload_optimizer=False,
+                  gradient_checkpointing=False, max_model_len=1212, gen_memory=0.0)
+    own, shared = plan(plan_gpus=2, **recipe), plan(plan_gpus=1, **recipe)
+    assert own["fits"] and not own["shared_gpu"] and own["trainer_gpu_gb"] == pytest.approx(57.6, abs=0.05)
+    assert own["gen_memory"] == 0.9 and own["trainer"]["vllm_share"] == 0
+    assert shared["gen_memory"] == 0.3 and shared["trainer"]["vllm_share"] == pytest.approx(24 * GB)
+    assert shared["trainer_gpu_gb"] == pytest.approx(57.6 + 24, abs=0.05) and not shared["fits"]
+    assert "a GPU of its own for vLLM (--gen_device; now 24.0 GB of this one)" in shared["reasons"][0]
+    text = format_plan(shared)
+    assert "vLLM (shared GPU)" in text and "training on [0], vLLM on [0], sharing the training GPU" in text
+    assert "vLLM (shared GPU)" not in format_plan(own) and "training on [0], vLLM on [1]" in format_plan(own)
+
+
+def test_without_gpus_to_look_at_the_plan_says_it_gives_vllm_a_gpu_of_its_own():
+    p = plan(plan_gpus=0)  # this CPU machine: nvidia-smi lists no GPU
+    assert not p["shared_gpu"] and "vLLM on a GPU of its own (--plan_gpus N" in format_plan(p)

@@ -2,11 +2,14 @@
 # Create .venv/ (if missing) and install this machine's requirements into it.
 #   bash tools/install.sh                          # requirements.txt (NVIDIA GPU) or requirements-cpu.txt
 #   bash tools/install.sh requirements-bench.txt   # ... then a file of extras on top (TRL for make bench-trl)
-# Picks requirements.txt when an NVIDIA GPU answers `nvidia-smi -L`, else requirements-cpu.txt.
+# Picks requirements.txt when an NVIDIA GPU answers `nvidia-smi -L` (after checking that its driver runs
+# CUDA 13: tools/check_gpu_driver.sh), else requirements-cpu.txt; $SIMPLE_GRPO_REQUIREMENTS names another file.
 # Idempotent: a stamp file named by the hash of the requirements skips a repeat install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+if [ -n "${SIMPLE_GRPO_REQUIREMENTS:-}" ]; then
+    req="$SIMPLE_GRPO_REQUIREMENTS"
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     req=requirements.txt
 else
     req=requirements-cpu.txt
@@ -14,6 +17,9 @@ fi
 extras="${1:-}"
 stamp=".venv/.installed-$(cat "$req" $extras tools/install.sh | sha256sum | cut -c1-16)"
 [ -f "$stamp" ] && exit 0
+if [ "$req" = requirements.txt ]; then
+    bash tools/check_gpu_driver.sh "$req"
+fi
 
 [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
 index=()

@@ -23,4 +23,7 @@ class GenerationConfig:
     regroup: bool = flag(False, "regroup_ver/: upload all groups; the regrouping server serves mixed-reward ones")
     max_completions: int = flag(0, "stop once the worker has generated this many completions (0: run all steps)")
     startup_timeout: float = flag(1200.0, "seconds the generation worker may take to start vLLM (load, compile)")
+    startup_order: str = flag("auto", "auto: where vLLM shares a GPU with the trainer, the trainer loads its model "
+                                      "once vLLM is up (vLLM sizes its cache from the GPU's free memory); "
+                                      "vllm_first: always so; together: never wait")
     data_timeout: float = flag(600.0, "seconds to wait for a batch once vLLM is up (the worker: for new weights)")

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from simple_grpo.devices import generation_gpus, physical_gpus, visible_gpus, vllm_memory_share
+from simple_grpo.devices import generation_gpus, physical_gpus, reference_gpus, visible_gpus, vllm_memory_share
+from simple_grpo.protocol import TOKEN_ENV
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Channels:
     status: Any  # every worker -> trainer, one queue: ("ready", seconds), then ("batch", summary) per batch
     loaded: Any  # shared int: the newest weight version this worker has loaded or passed over (weight_sync)
     stop: Any  # event, one for all workers: the trainer asks them to finish
+    shares_gpu: bool = False  # its vLLM runs on a GPU a trainer rank of this node uses (wait_for_vllm)
 
 
 def local_world_size(default):
@@ -49,7 +51,7 @@ def start_workers(target, cfg, *args):
     for k in range(cfg.gen_workers):
         channels = Channels(weights=ctx.Queue(), groups=ctx.Queue(), status=status, loaded=ctx.Value("i", 0),
                             stop=stop)
-        worker_cfg, env, cores = place_worker(cfg, k)
+        worker_cfg, env, cores, channels.shares_gpu = place_worker(cfg, k)
         saved = {name: os.environ.get(name) for name in env}
         os.environ.update(env)  # a spawned child takes the parent's environment at start
         try:
@@ -65,20 +67,23 @@ def start_workers(target, cfg, *args):
 
 
 def place_worker(cfg, k):
-    """Worker k's config and environment (which GPUs its vLLM sees), and the CPU cores to pin it to
-    (None on a GPU machine)."""
+    """Worker k's config and environment (which GPUs its vLLM sees), the CPU cores to pin it to (None on a
+    GPU machine), and whether it shares a GPU with a trainer rank. --gen_device -1 leaves out the GPU a
+    reference server on this machine reports in its /health."""
     env = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
     if torch.cuda.is_available():
         # this node's trainer ranks use the first local_size visible GPUs; vLLM takes gen_tp GPUs by
         # physical id (devices.generation_gpus), numbered in nvidia-smi's (PCI) order
         physical = physical_gpus()
         trainer_gpus = visible_gpus(physical)[:local_world_size(1)]
-        gpus, shared_gpu = generation_gpus(cfg.gen_device, cfg.gen_tp, trainer_gpus, physical, k, cfg.gen_workers)
+        busy = reference_gpus(cfg.ref_url, cfg.ref_token or os.environ.get(TOKEN_ENV, ""))
+        gpus, shared_gpu = generation_gpus(cfg.gen_device, cfg.gen_tp, trainer_gpus, physical, k, cfg.gen_workers,
+                                           busy)
         cfg = dataclasses.replace(cfg, gen_memory=vllm_memory_share(cfg.gen_memory, shared_gpu))
         env.update(CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)), CUDA_DEVICE_ORDER="PCI_BUS_ID")
         print(f"generation worker {k}: vLLM on GPU {gpus} (gpu_memory_utilization {cfg.gen_memory}), "
-              f"trainer on GPU {trainer_gpus}")
-        return cfg, env, None
+              f"trainer on GPU {trainer_gpus}" + (f", reference server on GPU {busy[0]}" if busy else ""))
+        return cfg, env, None, shared_gpu
     # worker k takes the gen_threads cores before worker k-1's, wrapping round on a small machine.
     # OMP_NUM_THREADS caps every OpenMP runtime in the process: vLLM's CPU kernels bring their own,
     # which torch.set_num_threads does not reach (unset, it ran one thread per core of the machine)
@@ -86,7 +91,7 @@ def place_worker(cfg, k):
     mine = [cores[(len(cores) - (k + 1) * t + i) % len(cores)] for i in range(t)]
     env["OMP_NUM_THREADS"] = str(t)
     print(f"generation worker {k}: vLLM on CPU core(s) {mine}")
-    return cfg, env, mine
+    return cfg, env, mine, False
 
 
 def run_on_cores(cores, target, *args):
@@ -129,6 +134,38 @@ def stop_workers(workers):
             if worker.is_alive():
                 worker.kill()
                 worker.join(timeout=10)
+
+
+def wait_for_vllm(workers, cfg, say=print):
+    """Before the trainer loads its model: where a worker's vLLM shares a GPU with this trainer (or always,
+    with --startup_order vllm_first), wait until every worker has vLLM up. vLLM sizes its KV cache from how
+    much free memory the whole GPU loses while it profiles, and fails if free memory rose meanwhile: the
+    trainer's DeepSpeed start-up, which allocates and frees, must not run beside it. Says so every
+    10 s; stops the run after cfg.startup_timeout. The ready messages go back on the status queue."""
+    order = cfg.startup_order
+    if order not in ("auto", "vllm_first", "together"):
+        raise SystemExit(f"unknown --startup_order {order!r}: use auto, vllm_first or together")
+    if not workers or order == "together" or (order == "auto" and not any(c.shares_gpu for _, c in workers)):
+        return
+    status, started, taken, said = workers[0][1].status, time.time(), [], -10.0
+    why = "vLLM shares this trainer's GPU and measures its free memory" if order == "auto" else "--startup_order vllm_first"
+    while sum(kind == "ready" for kind, _ in taken) < len(workers):
+        waited = time.time() - started
+        if waited > cfg.startup_timeout:
+            raise SystemExit(f"vLLM did not start in {cfg.startup_timeout:.0f} s (--startup_timeout), and the trainer "
+                             f"loads its model only once it has ({why}): see the generation worker's log above")
+        if waited - said >= 10:
+            say(f"waiting for the generation worker's vLLM to start before the trainer loads its model ({why}; "
+                f"{waited:.0f} s, gives up after {cfg.startup_timeout:.0f} s)")
+            said = waited
+        check_workers(workers)
+        try:
+            taken.append(status.get(timeout=1.0))
+        except queue.Empty:
+            pass
+    say(f"vLLM is up after {time.time() - started:.0f} s: the trainer loads its model now")
+    for message in taken:
+        status.put(message)
 
 
 def draws_to_resume(state, workers):

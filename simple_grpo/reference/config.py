@@ -11,8 +11,9 @@ class ServerConfig:
     host: str = flag("127.0.0.1", "the address to listen on: loopback only unless told otherwise")
     token: str = flag("", "shared secret every request must carry (default: $SIMPLE_GRPO_TOKEN); needed off loopback")
     port: int = flag(DEFAULT_PORT, "the port to listen on")
-    device: str = flag("cpu", "where the reference model runs: cpu, cuda, cuda:1, ...")
-    dtype: str = flag("float32", "float32, bfloat16 or float16")
+    device: str = flag("auto", "where the reference model runs: auto (the first visible GPU, else cpu), cpu, "
+                               "cuda, cuda:1, ...")
+    dtype: str = flag("auto", "auto (bfloat16 on a GPU, float32 on a CPU), float32, bfloat16 or float16")
     threads: int = flag(1, "CPU threads for the reference forward pass")
     max_queue: int = flag(256, "groups waiting in each direction; /upload answers 503 when full")
     max_queue_mb: int = flag(512, "... or when the uploads held in the queues pass this many MB")

@@ -18,7 +18,9 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 import bottle
 
+from simple_grpo.devices import physical_gpu
 from simple_grpo.protocol import check_rollout, decode
+from simple_grpo.reference.fingerprint import model_fingerprint
 
 
 def answer(status, reason):
@@ -28,12 +30,15 @@ def answer(status, reason):
 
 def add_token_check_and_health(app, cfg, stats):
     """With cfg.token set, every request must carry 'Authorization: Bearer TOKEN' or get 401.
-    GET /health answers JSON."""
+    GET /health answers JSON: the model served, its fingerprint (trainers compare it with their own model:
+    reference/fingerprint.py), its device and dtype, and the physical GPU it is on (None on a CPU)."""
     started = time.time()
+    about = {"model": cfg.model, "fingerprint": model_fingerprint(cfg.model), "device": cfg.device,
+             "dtype": cfg.dtype, "gpu": physical_gpu(cfg.device)}
 
     @app.get("/health")
     def health():
-        return {"status": "ok", "model": cfg.model, "uptime_s": round(time.time() - started, 1)}
+        return {"status": "ok", **about, "uptime_s": round(time.time() - started, 1)}
 
     @app.hook("before_request")
     def check_token():
@@ -160,5 +165,6 @@ def is_loopback(host):
 def serve(app, cfg, name="ref server"):
     server = ThreadingWSGIServer((cfg.host, cfg.port), QuietHandler, cfg.max_connections, cfg.conn_timeout)
     server.set_app(app)
-    print(f"{name}: {cfg.model} on {cfg.device}, listening on http://{cfg.host}:{cfg.port}", flush=True)
+    print(f"{name}: serves {cfg.model} on {cfg.device} in {cfg.dtype}, listening on http://{cfg.host}:{cfg.port}",
+          flush=True)
     server.serve_forever()

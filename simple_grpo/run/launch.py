@@ -36,10 +36,11 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_ref_server(port, env, *args, token="", script="ref_server.py"):
-    """ref_server.py (or script) in the background (extra flags in args), once its /health answers."""
+def start_ref_server(port, env, *args, token="", script="ref_server.py", stdout=None):
+    """ref_server.py (or script) in the background (extra flags in args, a later --model wins), once its
+    /health answers; its output goes to stdout (an open file; default: ours)."""
     proc = subprocess.Popen([sys.executable, script, "--model", MODEL, "--port", str(port),
-                             "--threads", "2", *args], cwd=ROOT, env=env)
+                             "--threads", "2", *args], cwd=ROOT, env=env, stdout=stdout)
     deadline = time.time() + 120
     while time.time() < deadline:
         if proc.poll() is not None:

@@ -47,14 +47,21 @@ class TrainerConfig(TaskConfig):
     zero_stage: int = flag(0, "DeepSpeed ZeRO stage (0-3)")
     dtype: str = flag("float32", "float32, or bfloat16 (bf16 weights and activations, fp32 master weights and Adam)")
     gradient_checkpointing: bool = flag(False, "recompute activations in backward: less memory, ~1/3 more compute")
-    offload_optimizer: bool = flag(False, "ZeRO-1/2/3: optimizer state and fp32 master weights in host RAM")
+    offload_optimizer: bool = flag(False, "ZeRO-1/2/3: optimizer state and fp32 master weights in host RAM; "
+                                          "torch's fused AdamW steps them on the host's cores")
+    offload_threads: int = flag(0, "--offload_optimizer: torch threads for the host's optimizer step (0: the cores "
+                                   "this process may use / the node's training ranks)")
     deepspeed: str = flag("", "a whole DeepSpeed config (JSON): its values win over these flags, 'auto' takes theirs")
     loss_impl: str = flag("torch", "triton: fused kernels (triton_loss/), the same numbers; torch where Triton can't")
     plan: bool = flag(False, "print the memory plan (simple_grpo/trainer/memory_plan.py) and exit")
     plan_gpu_gb: float = flag(0.0, "the GPU size to plan for (0: this machine's GPU)")
+    plan_gpus: int = flag(0, "GPUs on the node to plan for (0: this machine's; none here: vLLM on a GPU of its "
+                             "own); where vLLM shares a training GPU, its share counts there")
     ref_url: str = flag("", f"the reference server (python ref_server.py); default {DEFAULT_REF_URL}, and none "
                             "with --use_peft (the base model with the adapters off is the reference)")
     ref_token: str = flag("", "the ref server's shared token, if it has one (default: $SIMPLE_GRPO_TOKEN)")
+    ref_model_differs_ok: bool = flag(False, "go on when the ref server serves another model than --model (its /health "
+                                             "fingerprint differs): a different reference is meant")
     ref_timeout: float = flag(120.0, "seconds to wait for a finished group, or for room in a full queue")
     peer_timeout: float = flag(30.0, "seconds the ref server may not answer at all before the run stops")
     local_rank: int = flag(-1, "set by the deepspeed launcher")

@@ -8,7 +8,8 @@ of transformers' and TRL's DeepSpeed integration). Where a flag was set to somet
 its default and the file says otherwise, the run says which value it uses.
 
 bfloat16: DeepSpeed keeps bf16 weights, gradients and activations, and fp32 master weights and
-Adam moments. The optimizer is torch's AdamW (no C++ build), also when offloaded to the CPU.
+Adam moments. The optimizer is torch's AdamW (no C++ build); offloaded to the CPU it is torch's fused
+AdamW, run on the host's cores (deepspeed_engine.use_threads_in_step; bench/offload_optimizer.py).
 """
 import json
 import os
@@ -25,7 +26,9 @@ def flag_config(cfg):
             "bf16": {"enabled": cfg.dtype == "bfloat16"}, "zero_optimization": zero,
             "zero_force_ds_cpu_optimizer": False,  # torch's AdamW on offloaded state: no DeepSpeedCPUAdam build
             "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "betas": [0.9, 0.99], "weight_decay": 0.0,
-                                                      "torch_adam": True}}}
+                                                      "torch_adam": True,
+                                                      # one pass over the host's master weights and moments
+                                                      **({"fused": True} if cfg.offload_optimizer else {})}}}
 
 
 def merge(base, override, path="", notes=None):

@@ -51,7 +51,32 @@ def make_engine(cfg):
         model = add_adapters(model, cfg)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=deepspeed_config(cfg)[0])
+    if cfg.offload_optimizer:  # the host-side optimizer step: all of this rank's share of the cores
+        threads = cfg.offload_threads or host_threads()
+        use_threads_in_step(engine.optimizer.optimizer, threads)
+        print(f"optimizer offload: AdamW steps on the host with {threads} threads (--offload_threads)")
     return engine, tokenizer
+
+
+def host_threads():
+    """The cores this process may use, shared among the node's training ranks (deepspeed: LOCAL_SIZE, torchrun:
+    LOCAL_WORLD_SIZE)."""
+    ranks = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    return max(len(os.sched_getaffinity(0)) // ranks, 1)
+
+
+def use_threads_in_step(optimizer, threads):
+    """Run the optimizer's step() on `threads` torch threads, and the rest of the process on as many as before:
+    a trainer on a GPU keeps one thread (--threads) for its own work, but the offloaded AdamW works through
+    every parameter's master copy and moments on the host."""
+    before = []
+
+    def more_threads(*_):  # a pre-hook that returns nothing leaves step()'s arguments alone
+        before.append(torch.get_num_threads())
+        torch.set_num_threads(threads)
+
+    optimizer.register_step_pre_hook(more_threads)
+    optimizer.register_step_post_hook(lambda *_: torch.set_num_threads(before.pop()))
 
 
 def grad_norm(engine):

@@ -27,15 +27,17 @@ flattens the 16-bit gradient partition once more (d/N); ZeRO-3 keeps that partit
 the fp32 gradients one 1e9-element sub-group at a time (so 18/N may overstate it; 20/N never does).
 ZeRO-3 float32 without offload keeps no master copy (its fp32 partition is the weights). The host
 loads the checkpoint in the training dtype on every rank (dP each; DeepSpeed's estimators assume
-fp32, 4P). Not counted: the reference server's model (its own device), and vLLM on the trainer's
-own GPU (add its share there if it is). grpo_train.py has no vLLM: its plan has no generation GPU.
+fp32, 4P). Not counted: the reference server's model (its own device). Where vLLM shares the training
+GPU (--gen_device -1 on a node with no GPU to spare, as devices.generation_gpus decides, for this
+machine's GPUs or --plan_gpus N of them), its --gen_memory share of that GPU is a row of the trainer's.
+grpo_train.py has no vLLM: its plan has no generation GPU.
 """
 import functools
 import json
 import math
 import os
 
-from simple_grpo.devices import vllm_memory_share
+from simple_grpo.devices import generation_gpus, physical_gpus, visible_gpus, vllm_memory_share
 from simple_grpo.lora import target_modules
 
 GB = 1e9
@@ -119,6 +121,19 @@ def detected_gpu_gb():
     return torch.cuda.get_device_properties(0).total_memory / GB
 
 
+def vllm_shares_training_gpu(cfg, world_size):
+    """Whether grpo_vllm_one's vLLM will run on a training GPU of this node, and the layout in words:
+    for --plan_gpus N GPUs (the first world_size of them train), else for this machine's; with neither,
+    vLLM is planned on a GPU of its own."""
+    gpus = list(range(cfg.plan_gpus)) if cfg.plan_gpus else physical_gpus()
+    if not gpus:
+        return False, "vLLM on a GPU of its own (--plan_gpus N plans for a node of N GPUs)"
+    trainer = (gpus if cfg.plan_gpus else visible_gpus(gpus))[:world_size]
+    ids, shared = generation_gpus(cfg.gen_device, cfg.gen_tp, trainer, gpus)
+    return shared, (f"{len(gpus)} GPU(s): training on {trainer}, vLLM on {ids}"
+                    + (", sharing the training GPU" if shared else ""))
+
+
 def plan_memory(cfg, world_size=1, gpu_gb=None):
     """The plan for a trainer's config `cfg` (grpo_train's or grpo_vllm_one's): bytes per row for the
     training GPU, the generation GPU and the host, `fits`, `reasons` (why, and what to change) and the
@@ -127,8 +142,8 @@ def plan_memory(cfg, world_size=1, gpu_gb=None):
     checkpointing = cfg.gradient_checkpointing
     uses_vllm = hasattr(cfg, "gen_memory")  # grpo_vllm_one; grpo_train generates on the training GPU
     tp = cfg.gen_tp if uses_vllm else 1
-    # the plan gives vLLM a GPU of its own
-    gen_memory = vllm_memory_share(cfg.gen_memory if uses_vllm else 0.0, shared_gpu=False)
+    shared, layout = vllm_shares_training_gpu(cfg, world_size) if uses_vllm else (False, "no vLLM")
+    gen_memory = vllm_memory_share(cfg.gen_memory if uses_vllm else 0.0, shared_gpu=shared)
     prompts, G, per_part = cfg.batch_prompts, cfg.num_generations, cfg.micro_batch_groups
     new_tokens = cfg.max_new_tokens
     seq_len = cfg.max_model_len if uses_vllm else new_tokens + 512  # grpo_train has no such limit: prompts of up to 512
@@ -156,6 +171,7 @@ def plan_memory(cfg, world_size=1, gpu_gb=None):
     step_copy = d * A / N if stage and not offload else 0  # what step() holds beyond the estimators (docstring)
     # CUDA context and cuBLAS/NCCL workspaces, a gradient bucket, step()'s copy, allocator fragmentation
     trainer["margin"] = 1 * GB + bucket + step_copy + 0.1 * trainer["activations"]
+    trainer["vllm_share"] = gen_memory * gpu_gb * GB if shared else 0  # vLLM takes it first (workers.wait_for_vllm)
     trainer["total"] = sum(trainer.values())
 
     # ALGO LOGIC: the generation GPU, per vLLM tensor-parallel rank; weights and KV cache in `dtype`
@@ -172,13 +188,16 @@ def plan_memory(cfg, world_size=1, gpu_gb=None):
     host["model_states"] = max(4 * P * N, host["optimizer_offload"])  # what DeepSpeed's estimators count
     host["total"] = max(host["load"], host["optimizer_offload"] + host["staging"])
 
-    reasons = [f"trainer needs {trainer['total'] / GB:.1f} GB of the {gpu_gb:.0f} GB training GPU"]
+    reasons = [f"trainer needs {trainer['total'] / GB:.1f} GB of the {gpu_gb:.0f} GB training GPU"
+               + (f", vLLM's --gen_memory {gen_memory} share included" if shared else "")]
     if trainer["total"] > gpu:
         tries = (["--dtype bfloat16"] if d == 4 else []) \
             + ([("--zero_stage 2 " if stage == 0 else "") + "--offload_optimizer"] if not offload else []) \
             + (["--gradient_checkpointing"] if not checkpointing else []) \
             + (["--micro_batch_groups 1"] if seqs > G else []) + (["--use_peft"] if not cfg.use_peft else []) \
             + (["--zero_stage 3 with more ranks"] if N < 8 else [])
+        tries += [f"a GPU of its own for vLLM (--gen_device; now {trainer['vllm_share'] / GB:.1f} GB of this one)"] \
+            if shared else []
         reasons[0] += ": try " + ", ".join(tries or ["a GPU with more memory"])
     if not uses_vllm:
         gen = {key: 0 for key in gen}
@@ -196,7 +215,8 @@ def plan_memory(cfg, world_size=1, gpu_gb=None):
     fits = trainer["total"] <= gpu and (gen["needs"] <= gen["takes"] or not uses_vllm)
     settings = dict(dtype=dtype, zero_stage=stage, offload_optimizer=offload, gradient_checkpointing=checkpointing,
                     lora=f"r={cfg.lora_r}, {A / 1e6:.1f}M trainable" if cfg.use_peft else None,
-                    world_size=N, gpu_gb=gpu_gb, gen_memory=gen_memory, sequences_per_pass=seqs, seq_len=seq_len,
+                    world_size=N, gpu_gb=gpu_gb, gen_memory=gen_memory, shared_gpu=shared, layout=layout,
+                    sequences_per_pass=seqs, seq_len=seq_len,
                     max_new_tokens=new_tokens)
     return {"model": m, **settings, "trainer": trainer, "trainer_gb": {row: b / GB for row, b in trainer.items()},
             "generation": gen, "host": host, "least_gen_memory": least,
@@ -215,9 +235,10 @@ def format_plan(plan):
              f"  {plan['sequences_per_pass']} sequences per forward/backward of up to {plan['seq_len']} tokens "
              f"({plan['max_new_tokens']} new)",
              f"{'training GPU (' + format(plan['gpu_gb'], '.0f') + ' GB), per rank':<36}{'GB':>8}"]
-    lines += [f"  {name:<34}{t[name] / GB:>8.1f}"
-              for name in ("weights", "gradients", "optimizer", "activations", "margin", "total")]
-    lines += [f"{'generation GPU (vLLM), per tp rank':<36}{'GB':>8}",
+    rows = ("weights", "gradients", "optimizer", "activations", "margin") \
+        + (("vllm_share",) if plan["shared_gpu"] else ()) + ("total",)
+    lines += [f"  {'vLLM (shared GPU)' if name == 'vllm_share' else name:<34}{t[name] / GB:>8.1f}" for name in rows]
+    lines += [f"{'generation GPU (vLLM), per tp rank':<36}{'GB':>8}   {plan['layout']}",
               f"  {'takes (gen_memory ' + str(plan['gen_memory']) + ')':<34}{g['takes'] / GB:>8.1f}",
               f"  {'needs':<34}{g['needs'] / GB:>8.1f}   weights {g['weights'] / GB:.1f} + KV cache "
               f"{g['kv_cache'] / GB:.1f} + runtime {g['runtime'] / GB:.1f}",

@@ -1,0 +1,211 @@
+"""`make test-gpu`: what a GPU machine must do, in one command (about 20 minutes on one 80 GB GPU).
+
+NOT RUN YET: no session has had a GPU for these; they were written from reading the code (docs/gpu_notes.md).
+Where CUDA is absent every test here skips with one reason line, so `make test` and CI are unchanged.
+Models come from the repository or are built from configs/: a GPU machine with no network runs them.
+
+  1. Triton kernels (triton_loss/) compiled against this torch: tests/triton_kernel_cases.py on CUDA
+  2. ref_server.py's defaults on CUDA in bf16, its /health fingerprint, and a trainer's refusal of another model
+  3. grpo_train.py, 4 steps in bf16 under ZeRO-2, with and without LoRA
+  4. vLLM's log-probs after an in-memory weight sync equal a transformers forward (fp32 tight, bf16 loose),
+     on vLLM's V1 and V2 model runners
+  5. grpo_vllm_one.py, 10 steps of the tiny model with vLLM on the trainer's GPU (the shared-GPU start-up),
+     and on a GPU of its own where there are two
+  6. 5 steps of a random-weight model shaped like Qwen2.5-0.5B, GPU memory sampled against the memory plan
+  7. evaluate.py's hf backend on the GPU
+Each adds a line to the summary printed at the end (tests/conftest.py).
+"""
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+if not torch.cuda.is_available():  # one skip, one reason line, for the whole file
+    pytest.skip("no CUDA device here (torch.cuda.is_available() is False): the GPU tests check a GPU machine "
+                "(make test-gpu there)", allow_module_level=True)
+
+from simple_grpo.run.launch import ROOT, free_port, start_ref_server, stop  # noqa: E402
+from simple_grpo.run.metrics import read_metrics  # noqa: E402
+from tests.test_reference_fingerprint import models  # noqa: E402,F401 - the other tiny models, as a fixture
+
+pytestmark = pytest.mark.gpu
+TINY = "models/tiny-math"
+ENV = dict(os.environ, PYTHONUNBUFFERED="1")
+
+
+def run(args, timeout=900, env=None):
+    """A script of the repository to its end: (return code, stdout and stderr together)."""
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, timeout=timeout, env=env or ENV)
+    return out.returncode, out.stdout
+
+
+def steps_of(run_name):
+    return read_metrics(os.path.join(ROOT, "runs", run_name, "metrics.jsonl"))[0]
+
+
+@pytest.fixture(scope="module")
+def server():
+    """ref_server.py as the card starts it: no --device, no --dtype."""
+    port = free_port()
+    proc = start_ref_server(port, ENV)
+    yield f"http://127.0.0.1:{port}"
+    stop(proc)
+
+
+def test_triton_kernels_compile_and_match_torch_on_cuda(gpu_summary):
+    code, out = run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/triton_kernel_cases.py"])
+    assert code == 0, out[-3000:]
+    gpu_summary(f"triton kernels on {torch.cuda.get_device_name(0)}: {out.strip().splitlines()[-1]}")
+
+
+def test_the_ref_server_defaults_to_the_gpu_in_bf16_and_its_fingerprint_is_checked(server, models, gpu_summary):  # noqa: F811
+    from grpo_train import Config
+    from simple_grpo.reference.fingerprint import check_reference, model_fingerprint
+    health = requests.get(server + "/health", timeout=10).json()
+    assert (health["device"], health["dtype"]) == ("cuda", "bfloat16") and isinstance(health["gpu"], int)
+    assert health["fingerprint"] == model_fingerprint(TINY)
+    check_reference(Config(ref_url=server, dtype="bfloat16"))  # its own model: goes on
+    with pytest.raises(SystemExit, match="starts from"):
+        check_reference(Config(ref_url=server, model=models["perturbed"]))
+    gpu_summary(f"ref server: {health['model']} on {health['device']} (GPU {health['gpu']}) in {health['dtype']}, "
+                f"fingerprint {health['fingerprint']['id']} checked, another model refused")
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_grpo_train_takes_4_bf16_zero2_steps(server, lora, gpu_summary):
+    name = f"test_gpu_train_{'lora' if lora else 'full'}"
+    args = ["grpo_train.py", "--steps", "4", "--dtype", "bfloat16", "--zero_stage", "2", "--lr", "1e-4",
+            "--batch_prompts", "4", "--run_name", name, "--overwrite", "--save_every", "100"]
+    args += ["--use_peft"] if lora else ["--ref_url", server]
+    code, out = run(args)
+    assert code == 0, out[-3000:]
+    rows = steps_of(name)
+    assert len(rows) == 4 and all(r["loss"] == r["loss"] for r in rows)  # no NaN
+    gpu_summary(f"grpo_train.py {'LoRA' if lora else 'full'}, bf16 ZeRO-2: 4 steps, median "
+                f"{statistics.median(r['step_s'] for r in rows):.2f} s/step, kl {rows[-1]['kl']:.4f}")
+
+
+SYNC_CHECK = """
+import json, sys, torch
+sys.path.insert(0, ".")
+from transformers import AutoModelForCausalLM
+from grpo_math import completion_mask
+from grpo_vllm_one import Config
+from simple_grpo.generation.vllm_sampler import sample, start_vllm
+from simple_grpo.generation.weight_sync import load_weights
+from simple_grpo.logprobs import sequence_logps
+from simple_grpo.task.problems import chat_prompt, load_jsonl
+dtype = sys.argv[1]
+cfg = Config(model="models/tiny-math", dtype=dtype, batch_prompts=4, num_generations=4, max_new_tokens=40,
+             gen_memory=0.3)
+llm = start_vllm(cfg)
+policy = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, dtype)).cuda().eval()
+with torch.no_grad():  # the "trained" weights: a clear change, tied embeddings included
+    for p in policy.parameters():
+        p.add_(0.02 * torch.randn_like(p))
+load_weights(llm, policy.state_dict())  # in memory, from CUDA tensors, as grpo_vllm_one's worker loads them
+tok = llm.get_tokenizer()
+prompts = [chat_prompt(tok, p["question"]) for p in load_jsonl(cfg.dataset)[:4]]
+prompt_rows, completion_ids, sampler_logps = sample(llm, prompts, cfg)
+P = max(r.numel() for r in prompt_rows)  # the trainer's left-padded prompts, in the training dtype
+prompt_ids = torch.stack([torch.cat([torch.full((P - r.numel(),), tok.pad_token_id), r]) for r in prompt_rows])
+prompt_mask = torch.stack([(torch.arange(P) >= P - r.numel()).long() for r in prompt_rows])
+with torch.no_grad():
+    logps = sequence_logps(policy, prompt_ids.cuda(), prompt_mask.cuda(), completion_ids.cuda(), cfg.temperature)
+mask = completion_mask(completion_ids, tok.eos_token_id).cuda()
+diff = (logps.float() - sampler_logps.cuda()).abs() * mask
+print(json.dumps({"mean": diff.sum().item() / mask.sum().item(), "max": diff.max().item()}))
+"""
+
+
+@pytest.mark.parametrize("runner", ["1", "0"], ids=["v2_runner", "v1_runner"])
+@pytest.mark.parametrize("dtype, mean_tol", [("float32", 1e-3), ("bfloat16", 5e-2)])
+def test_vllm_logps_after_an_in_memory_sync_equal_a_transformers_forward(runner, dtype, mean_tol, gpu_summary):
+    pytest.importorskip("vllm", reason="vLLM is not installed here")
+    code, out = run(["-c", textwrap.dedent(SYNC_CHECK), dtype], env=dict(ENV, VLLM_USE_V2_MODEL_RUNNER=runner))
+    assert code == 0, out[-3000:]
+    gap = json.loads(out.strip().splitlines()[-1])
+    gpu_summary(f"vLLM {'V2' if runner == '1' else 'V1'} runner, {dtype}: after an in-memory sync, |vLLM - "
+                f"transformers| log-prob per token mean {gap['mean']:.2e}, max {gap['max']:.2e}")
+    assert gap["mean"] <= mean_tol
+
+
+@pytest.mark.parametrize("where", ["shared", "own"])
+def test_grpo_vllm_one_takes_10_steps_with_vllm_on_the_trainers_gpu_or_its_own(server, where, gpu_summary):
+    pytest.importorskip("vllm", reason="vLLM is not installed here")
+    if where == "own" and torch.cuda.device_count() < 2:
+        pytest.skip("one GPU: vLLM on a GPU of its own needs two")
+    name = f"test_gpu_vllm_{where}"
+    code, out = run(["grpo_vllm_one.py", "--steps", "10", "--lr", "1e-4", "--batch_prompts", "4", "--ref_url", server,
+                     "--gen_device", "0" if where == "shared" else "1", "--run_name", name, "--overwrite",
+                     "--save_every", "100"], env=dict(ENV, CUDA_VISIBLE_DEVICES="0") if where == "shared" else ENV)
+    assert code == 0, out[-3000:]
+    waited = "before the trainer loads its model (vLLM shares this trainer's GPU" in out
+    assert waited == (where == "shared")
+    rows = steps_of(name)
+    assert len(rows) == 10
+    gpu_summary(f"grpo_vllm_one.py, vLLM on {'the trainer' if where == 'shared' else 'its own'} GPU: 10 steps, median "
+                f"{statistics.median(r['step_s'] for r in rows):.2f} s/step, sampler gap "
+                f"{statistics.mean(r['sampler_gap_mean'] for r in rows):.4f}" + (", start-up waited for vLLM"
+                                                                                 if waited else ""))
+
+
+def used_gpu_memory_gb(index=0):
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", str(index)],
+                         capture_output=True, text=True, timeout=30)
+    return float(out.stdout.strip()) * 2**20 / 1e9  # MiB -> GB
+
+
+def test_a_qwen2_5_0_5b_shaped_model_takes_5_steps_within_its_memory_plan(tmp_path, gpu_summary):
+    """Random weights from configs/qwen2.5-0.5b with the tiny tokenizer (ids past its vocabulary decode to
+    nothing); grpo_train.py, bf16, ZeRO-2, no reference (beta 0: the training GPU's memory alone)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    model_dir = tmp_path / "qwen2.5-0.5b-random"
+    config = AutoConfig.from_pretrained(os.path.join(ROOT, "configs", "qwen2.5-0.5b"))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(TINY).save_pretrained(model_dir)
+    shutil.copy(os.path.join(ROOT, TINY, "chat_template.jinja"), model_dir / "chat_template.jinja")
+    flags = ["--model", str(model_dir), "--dtype", "bfloat16", "--zero_stage", "2", "--beta", "0",
+             "--batch_prompts", "2", "--num_generations", "4", "--max_new_tokens", "64"]
+    code, out = run(["grpo_train.py", "--plan", *flags])
+    assert code == 0, out[-3000:]
+    plan = json.loads(out.strip().splitlines()[-1])
+    idle = used_gpu_memory_gb()
+    peak, done = [idle], threading.Event()
+
+    def sample_memory():
+        while not done.is_set():
+            peak.append(used_gpu_memory_gb())
+            time.sleep(0.5)
+    sampler = threading.Thread(target=sample_memory, daemon=True)
+    sampler.start()
+    try:
+        code, out = run(["grpo_train.py", *flags, "--steps", "5", "--run_name", "test_gpu_qwen05", "--overwrite",
+                         "--save_every", "100"], env=dict(ENV, CUDA_VISIBLE_DEVICES="0"))
+    finally:
+        done.set()
+        sampler.join()
+    assert code == 0, out[-3000:]
+    assert len(steps_of("test_gpu_qwen05")) == 5
+    used = max(peak) - idle
+    gpu_summary(f"Qwen2.5-0.5B-shaped, bf16 ZeRO-2, 5 steps: GPU memory peak {used:.1f} GB (nvidia-smi, over "
+                f"{idle:.1f} GB idle), plan {plan['trainer_gpu_gb']:.1f} GB ({used / plan['trainer_gpu_gb']:.0%})")
+    assert used <= plan["trainer_gpu_gb"]
+
+
+def test_evaluate_runs_the_hf_backend_on_the_gpu(gpu_summary):
+    code, out = run(["evaluate.py", "--backend", "hf", "--n", "32", "--json"])
+    assert code == 0, out[-3000:]
+    assert "(greedy, hf, float32, cuda)" in out
+    gpu_summary(f"evaluate.py --backend hf on cuda: {json.loads(out.strip().splitlines()[-1])}")

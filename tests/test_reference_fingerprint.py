@@ -1,0 +1,122 @@
+"""The reference server's defaults and its fingerprint: on a CPU it serves in fp32 (on a GPU in bf16), and a
+trainer refuses a server whose model is not its own (another checkpoint, another vocabulary), naming both,
+unless --ref_model_differs_ok. Live servers on loopback; the other models are made from models/tiny-math."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import requests
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grpo_train import Config
+from simple_grpo.devices import auto_device, auto_dtype
+from simple_grpo.reference.fingerprint import check_reference, differences, model_fingerprint
+from simple_grpo.run.launch import ROOT, free_port, start_ref_server, stop
+
+TINY = os.path.join(ROOT, "models", "tiny-math")
+
+
+def test_device_and_dtype_auto_take_the_gpu_in_bf16_where_there_is_one_else_the_cpu_in_fp32():
+    assert auto_device("auto", cuda_available=True) == "cuda"
+    assert auto_device("auto", cuda_available=False) == "cpu"
+    assert auto_device("cuda:1", cuda_available=False) == "cuda:1"  # what the user names is kept
+    assert auto_dtype("auto", "cuda") == auto_dtype("auto", "cuda:3") == "bfloat16"
+    assert auto_dtype("auto", "cpu") == "float32"
+    assert auto_dtype("float32", "cuda") == "float32"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """{"perturbed": the tiny model with noise on its first layer's weights, "bf16": the tiny model saved in
+    bfloat16, "bigger_vocab": the tiny model with one more token}: directories."""
+    root, made = tmp_path_factory.mktemp("models"), {}
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    for name in ("perturbed", "bf16", "bigger_vocab"):
+        model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(TINY)
+        if name == "perturbed":
+            with torch.no_grad():
+                weight = model.model.layers[0].self_attn.q_proj.weight
+                weight.add_(0.01 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)))
+        elif name == "bf16":
+            model = model.to(torch.bfloat16)
+        else:
+            tok.add_tokens(["<extra_token>"])
+            model.resize_token_embeddings(len(tok))
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        shutil.copy(os.path.join(TINY, "chat_template.jinja"), root / name / "chat_template.jinja")
+        made[name] = str(root / name)
+    assert len(tokenizer) + 1 == len(AutoTokenizer.from_pretrained(made["bigger_vocab"]))
+    return made
+
+
+def test_a_checkpoint_and_its_bf16_copy_have_one_fingerprint(models):
+    ours = model_fingerprint(TINY)
+    assert ours == model_fingerprint(models["bf16"])
+    assert ours["weights"] and ours["config"]["vocab_size"] and ours["vocab"]["size"]
+
+
+def test_other_weights_and_another_vocabulary_give_other_fingerprints(models):
+    ours = model_fingerprint(TINY)
+    perturbed = differences(ours, model_fingerprint(models["perturbed"]))
+    assert perturbed == ["weights: 1 of the 26 tensors compared differ (model.layers.0.self_attn.q_proj.weight)"]
+    vocab = " ".join(differences(ours, model_fingerprint(models["bigger_vocab"])))
+    assert "vocabulary:" in vocab and "model.embed_tokens.weight" in vocab
+
+
+@pytest.fixture(scope="module")
+def perturbed_server(models, tmp_path_factory):
+    """ref_server.py with its defaults (--device auto, --dtype auto), serving the perturbed model."""
+    port, log = free_port(), tmp_path_factory.mktemp("log") / "server.out"
+    with open(log, "w") as out:
+        proc = start_ref_server(port, dict(os.environ), "--model", models["perturbed"], stdout=out)
+    yield f"http://127.0.0.1:{port}", log
+    stop(proc)
+
+
+def test_the_server_says_what_it_serves_where_and_in_what_dtype(perturbed_server, models):
+    url, log = perturbed_server
+    health = requests.get(url + "/health", timeout=10).json()
+    assert (health["model"], health["device"], health["dtype"], health["gpu"]) == (models["perturbed"], "cpu",
+                                                                                 "float32", None)
+    assert health["fingerprint"] == model_fingerprint(models["perturbed"])
+    assert f"ref server: serves {models['perturbed']} on cpu in float32, listening on {url}" in log.read_text()
+
+
+def test_a_trainer_refuses_a_server_with_another_model_naming_both(perturbed_server, models):
+    url, _ = perturbed_server
+    out = subprocess.run([sys.executable, "grpo_train.py", "--ref_url", url, "--steps", "1", "--run_name",
+                          "test_fingerprint_refused", "--overwrite"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode != 0
+    message = out.stderr.strip().splitlines()[-1]
+    assert f"serves {models['perturbed']}" in message and "starts from models/tiny-math" in message, message
+    assert "model.layers.0.self_attn.q_proj.weight" in message and "--ref_model_differs_ok" in message
+    assert not os.path.exists(os.path.join(ROOT, "runs", "test_fingerprint_refused", "metrics.jsonl"))
+
+
+def test_ref_model_differs_ok_goes_on_and_says_so(perturbed_server, capsys):
+    url, _ = perturbed_server
+    cfg = Config(ref_url=url, ref_model_differs_ok=True)
+    check_reference(cfg)
+    assert f"note: the ref server at {url} serves" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--ref_model_differs_ok"):
+        check_reference(Config(ref_url=url))
+
+
+def test_lora_with_its_own_base_as_the_reference_never_asks_a_server(perturbed_server):
+    """--use_peft without --ref_url: the base, adapters off, is the reference; --beta 0: no reference at all."""
+    from simple_grpo.protocol import uses_ref_server
+    from simple_grpo.trainer.config import check_options
+    lora, no_kl = Config(use_peft=True), Config(beta=0.0, ref_url=perturbed_server[0])
+    check_options(lora), check_options(no_kl)
+    assert not uses_ref_server(lora) and not uses_ref_server(no_kl)
+    check_reference(no_kl)  # beta 0: the server's model is not compared (no KL term to get wrong)
+    lora_with_server = Config(use_peft=True, ref_url=perturbed_server[0])
+    check_options(lora_with_server)
+    with pytest.raises(SystemExit, match="starts from models/tiny-math"):  # the base is compared, as it should be
+        check_reference(lora_with_server)
