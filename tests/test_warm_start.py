@@ -74,7 +74,7 @@ def test_it_keeps_the_checkpoint_with_the_best_dev_accuracy(tmp_path):
     with open(out / "warm_start.json") as f:
         record = json.load(f)
     curve = record["dev_curve"]
-    assert [p["step"] for p in curve] == [2, 4, 6]
+    assert [p["step"] for p in curve] == [2, 4, 6] and (out / "dev_curve.png").is_file()
     best = max(curve, key=lambda p: p["accuracy"])  # the first of the best, as the tool keeps it
     assert record["best"] == best
     # the model in --out is that checkpoint: scored again, it gets the recorded dev accuracy

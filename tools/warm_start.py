@@ -12,7 +12,7 @@ With --eval_every N it scores greedy answers on --dev_n dev problems every N ste
 checkpoint so far to --out (the model GRPO starts from is chosen on dev accuracy alone), and with
 --patience P stops once P evaluations in a row bring no new best: the plateau. --max_minutes ends it on
 a time budget (the supervised control beside GRPO gets GRPO's minutes). warm_start.json records the loss
-and the dev curve against steps and seconds.
+and the dev curve against steps and seconds, dev_curve.png plots it.
 Cached: when --out already holds a warm start made with the same flags, it says so and exits.
 """
 import json
@@ -126,6 +126,8 @@ def main(cfg: WarmStartConfig):
         save(model, tokenizer, cfg.out)
     with open(record_path, "w") as f:
         json.dump({"recipe": recipe, "best": best, "dev_curve": curve, "history": history}, f, indent=1)
+    if curve:
+        plot_dev_curve(curve, best, os.path.join(cfg.out, "dev_curve.png"))
     kept = f"step {best['step']} (dev accuracy {best['accuracy']:.3f})" if best else f"step {step}"
     print(f"warm start: {kept} saved to {cfg.out}; {train_seconds:.0f} s of training, {eval_seconds:.0f} s of "
           f"evaluation")
@@ -140,6 +142,22 @@ def dev_accuracy(model, tokenizer, problems, cfg):
     model.train()
     figures = summarize(problems, completions, lengths)
     return {k: round(figures[k], 4) for k in ("accuracy", "format_rate", "mean_tokens")}
+
+
+def plot_dev_curve(curve, best, path):
+    """Dev accuracy against steps and against minutes of training, the kept checkpoint marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), sharey=True)
+    for ax, key, scale, label in ((axes[0], "step", 1, "supervised steps"),
+                                  (axes[1], "seconds", 60, "minutes of training")):
+        ax.plot([p[key] / scale for p in curve], [p["accuracy"] for p in curve], marker="o")
+        ax.plot([best[key] / scale], [best["accuracy"]], marker="*", markersize=14, color="tab:red",
+                label=f"kept: step {best['step']}, {best['accuracy']:.3f}")
+        ax.set_xlabel(label), ax.grid(alpha=0.3)
+    axes[0].set_ylabel("dev accuracy (greedy)"), axes[1].legend(loc="lower right")
+    fig.tight_layout(), fig.savefig(path, dpi=110), plt.close(fig)
 
 
 def save(model, tokenizer, out):
