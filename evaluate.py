@@ -3,6 +3,8 @@
     python evaluate.py --model models/tiny-math --dataset data/toy_math/test.jsonl
     python evaluate.py --model runs/demo/step_200 --temperature 1.0 --samples 4 --json
     python evaluate.py --model runs/qwen/step_400 --dataset openai/gsm8k --dataset_config main --split test
+    python evaluate.py --model .cache/models/SmolLM2-135M-Instruct --accuracy_reward answer_is \
+        --system_prompt "Solve the math problem step by step. End with: The answer is N." --max_new_tokens 256
 
 Greedy decoding by default. Generates with vLLM when it is installed (fast, batched),
 otherwise with transformers' generate (KV cache on), in --dtype float32 (default) or
@@ -10,7 +12,9 @@ bfloat16; either backend on the GPU where there is one (--device). A completion 
 simple_grpo/task/problems.py); vLLM's context is sized to the longest prompt + max_new_tokens,
 so no answer is cut short by it (a model whose max_position_embeddings is smaller is refused). Each completion is scored by
 simple_grpo/task/rewards.py, the same code training uses, and the script prints a small table; with
---json it also prints one last line {"accuracy": a, "format_rate": f, "n": n, ...}.
+--json it also prints one last line {"accuracy": a, "format_rate": f, "n": n, ...}. Accuracy is the
+mean of --accuracy_reward: correctness (the <answer> tags), or answer_is for a model never taught them
+("The answer is 42.").
 With K samples per problem at T > 0 the rates are over all n*K samples and pass@k is
 the fraction of problems with at least one correct sample.
 """
@@ -29,6 +33,7 @@ from simple_grpo.flags import flag, parse_flags
 from simple_grpo.lora import is_adapter_dir, merge_adapter_dir
 from simple_grpo.task.config import DataConfig, load_data
 from simple_grpo.task.problems import make_prompt, stop_token_ids
+from simple_grpo.task.rewards import REWARD_FUNCS
 from simple_grpo.trainer.deepspeed_config import DTYPES
 
 
@@ -46,6 +51,8 @@ class EvalConfig(DataConfig):
     dtype: str = flag("float32", "float32 or bfloat16, in either backend")
     device: str = flag("auto", "where the hf backend runs: auto (the first visible GPU, else cpu), cpu, cuda, "
                                "cuda:1, ...; vLLM takes the visible GPU by itself")
+    accuracy_reward: str = flag("correctness", "the reward whose mean is reported as accuracy: correctness "
+                                               "(<answer> tags) or answer_is (the model's own 'The answer is N.')")
     answer_prefix: str = flag("", "text every answer is made to begin with (e.g. <think>), scored as part of it: "
                                   "what the model does once started in a format")
     seed: int = flag(0, "seed of the sampling")
@@ -68,6 +75,9 @@ def evaluate(cfg: EvalConfig, label=None):
         raise SystemExit(f"model directory {cfg.model!r} not found")
     if cfg.dtype not in DTYPES:
         raise SystemExit(f"unknown --dtype {cfg.dtype!r}: use one of {', '.join(DTYPES)}")
+    if cfg.accuracy_reward not in REWARD_FUNCS:
+        raise SystemExit(f"unknown --accuracy_reward {cfg.accuracy_reward!r}: use one of "
+                         f"{', '.join(sorted(REWARD_FUNCS))}")
     if is_adapter_dir(cfg.model):  # a LoRA checkpoint: base + adapters, merged into a whole model for now
         print(f"{cfg.model} holds LoRA adapters: merging them into their base model to evaluate it")
         with tempfile.TemporaryDirectory(prefix="merged_lora_") as merged:
@@ -104,13 +114,15 @@ def evaluate(cfg: EvalConfig, label=None):
     else:
         raise SystemExit(f"unknown --backend {cfg.backend!r}: use auto, vllm or hf")
     completions = [[cfg.answer_prefix + c for c in cs] for cs in completions]
-    metrics = summarize(problems, completions, lengths)
+    metrics = summarize(problems, completions, lengths, cfg.accuracy_reward)
     if cfg.details:
-        write_details(cfg.details, problems, completions)
+        write_details(cfg.details, problems, completions, cfg.accuracy_reward)
     metrics["seconds"] = round(time.time() - t0, 1)
     if cfg.samples == 1:
         metrics.pop("pass_at_k")
     mode = "greedy" if cfg.temperature <= 0 else f"T={cfg.temperature}, {cfg.samples} samples"
+    if cfg.accuracy_reward != "correctness":
+        mode += f", accuracy by {cfg.accuracy_reward}"
     print_table(metrics, f"{label or cfg.model} on {cfg.dataset} ({mode}, {backend}, {cfg.dtype}, {device})")
     if cfg.json:
         print(json.dumps(metrics))

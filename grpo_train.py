@@ -45,6 +45,7 @@ from simple_grpo.run.preflight import preflight
 from simple_grpo.run.report import finish_run
 from simple_grpo.task.config import load_data
 from simple_grpo.task.problems import make_prompt, stop_token_ids
+from simple_grpo.task.rewards import pick_accuracy_reward
 from simple_grpo.trainer.config import TrainerConfig, check_options
 from simple_grpo.trainer.deepspeed_engine import make_engine
 from simple_grpo.trainer.memory_plan import show_plan
@@ -109,7 +110,8 @@ def main(cfg: Config):
         rewards, scores = score_groups(texts, batch_problems, G, reward_weights)  # (B*G,), a breakdown each
         advantages = group_advantages(rewards, G, cfg.scale_rewards).float()  # (B*G,)
         has_signal = rewards.view(-1, G).std(1) > 0  # (B,)
-        rollout = rollout_stats(rewards, scores, mask, has_signal, gen_s, is_truncated(completion_ids, stop_ids))
+        rollout = rollout_stats(rewards, scores, mask, has_signal, gen_s, is_truncated(completion_ids, stop_ids),
+                                pick_accuracy_reward(reward_weights))  # accuracy: the correctness reward trained on
         kept, keep = has_signal.to(mask.device), has_signal.repeat_interleave(G).to(mask.device)  # groups, rows
         prompt_ids, prompt_mask = prompt_ids[kept], prompt_mask[kept]  # (b / G, P) each
         completion_ids, mask, advantages = completion_ids[keep], mask[keep], advantages.to(mask.device)[keep]  # b rows

@@ -60,7 +60,7 @@ from simple_grpo.run.preflight import preflight
 from simple_grpo.run.report import finish_run
 from simple_grpo.task.config import load_data
 from simple_grpo.task.problems import make_prompt, stop_token_ids
-from simple_grpo.task.rewards import extract_answer
+from simple_grpo.task.rewards import extract_answer, pick_accuracy_reward
 from simple_grpo.trainer.config import TrainerConfig, check_options
 from simple_grpo.trainer.deepspeed_engine import make_engine
 from simple_grpo.trainer.memory_plan import show_plan
@@ -123,7 +123,8 @@ def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
         groups, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, sampler_logps,
                                          keep_equal=cfg.regroup, scale_rewards=cfg.scale_rewards, scores=scores)
         generated += completion_ids.size(0)
-        stats = {**rollout_stats(rewards, scores, mask, has_signal, gen_s, is_truncated(completion_ids, stop_ids)),
+        stats = {**rollout_stats(rewards, scores, mask, has_signal, gen_s, is_truncated(completion_ids, stop_ids),
+                                 pick_accuracy_reward(reward_weights)),
                  "weights_load_s": schedule.load_s, "generated": generated}
         channels.status.put(("batch", {**batch_summary(rewards, scores, texts, has_signal), "posted": len(groups)}))
         if cfg.regroup:  # a second round for the fresh questions whose answers all scored alike but

@@ -62,31 +62,40 @@ def _regroup(flat, k):
     return [flat[i:i + k] for i in range(0, len(flat), k)]
 
 
-def summarize(problems, completions, lengths):
-    """Rates over all completions: accuracy, format_rate, pass_at_k and more."""
-    scores = [[score(c, reference_answer(p["answer"])) for c in cs] for p, cs in zip(problems, completions)]
+def _scores(completion, answer, accuracy_reward):
+    """score()'s breakdown (correctness, format, reward) with accuracy_reward's value in it too; an unknown
+    name is score()'s error, naming the known ones."""
+    return score(completion, answer, report=("correctness", "format", accuracy_reward))
+
+
+def summarize(problems, completions, lengths, accuracy_reward="correctness"):
+    """Rates over all completions: accuracy (the mean of accuracy_reward: correctness, or answer_is for a
+    model that states its answer in its own words), format_rate, pass_at_k and more."""
+    scores = [[_scores(c, reference_answer(p["answer"]), accuracy_reward) for c in cs]
+              for p, cs in zip(problems, completions)]
     flat = [s for row in scores for s in row]
     in_format = [s for s in flat if s["format"] == 1.0]
     return {
-        "accuracy": sum(s["correctness"] for s in flat) / len(flat),
+        "accuracy": sum(s[accuracy_reward] for s in flat) / len(flat),
         "format_rate": sum(s["format"] for s in flat) / len(flat),
         # accuracy among completions that are in format: arithmetic, with format factored out
-        "accuracy_in_format": sum(s["correctness"] for s in in_format) / max(len(in_format), 1),
-        "pass_at_k": sum(any(s["correctness"] for s in row) for row in scores) / len(scores),
+        "accuracy_in_format": sum(s[accuracy_reward] for s in in_format) / max(len(in_format), 1),
+        "pass_at_k": sum(any(s[accuracy_reward] for s in row) for row in scores) / len(scores),
         "mean_tokens": sum(sum(r) for r in lengths) / len(flat),
         "n": len(problems),
         "samples": len(completions[0]),
     }
 
 
-def write_details(path, problems, completions):
-    """One line per problem: its question, reference answer, completions and their scores."""
+def write_details(path, problems, completions, accuracy_reward="correctness"):
+    """One line per problem: its question, reference answer, completions and their scores (accuracy_reward's
+    among them: paired_gain(..., key=accuracy_reward) compares two models by it)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         for p, cs in zip(problems, completions):
             answer = reference_answer(p["answer"])
             f.write(json.dumps({"question": p["question"], "answer": answer, "completions": cs,
-                                "scores": [score(c, answer) for c in cs]}) + "\n")
+                                "scores": [_scores(c, answer, accuracy_reward) for c in cs]}) + "\n")
 
 
 def read_details(path):

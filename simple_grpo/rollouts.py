@@ -39,16 +39,17 @@ def make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, sampler_log
     return groups, has_signal
 
 
-def rollout_stats(rewards, scores, mask, has_signal, gen_s, truncated):
+def rollout_stats(rewards, scores, mask, has_signal, gen_s, truncated, accuracy_reward="correctness"):
     """What one step's rollouts say, for the log: all groups, dropped ones included. truncated (Q*G,):
-    the completions cut off at max_new_tokens (grpo_math.is_truncated)."""
+    the completions cut off at max_new_tokens (grpo_math.is_truncated); accuracy: the mean of
+    accuracy_reward (task/rewards.py's pick_accuracy_reward: the correctness reward trained on)."""
     each = {}
     for name in (n for n in scores[0] if n != "reward"):  # each reward function's mean and spread
         values = torch.tensor([s[name] for s in scores], dtype=torch.float)
         each.update({f"reward_{name}": values.mean().item(), f"reward_{name}_std": values.std().item()})
     lengths = mask.sum(1)
     return {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(), **each,
-            "accuracy": sum(s["correctness"] for s in scores) / len(scores),
+            "accuracy": sum(s[accuracy_reward] for s in scores) / len(scores),
             "format_rate": sum(s["format"] for s in scores) / len(scores),
             "completion_len": lengths.mean().item(), "completion_len_min": int(lengths.min()),
             "completion_len_max": int(lengths.max()), "truncated_frac": truncated.float().mean().item(),

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from simple_grpo.evaluation import paired_gain, read_details
+from simple_grpo.evaluation import paired_gain, read_details, summarize, write_details
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,3 +83,39 @@ def test_an_answer_prefix_starts_every_answer_and_is_scored_with_it(tmp_path):
     assert all(r["completions"][0].startswith("<think>") for r in rows)  # scored with the prefix
     # the tiny model begins its own answers with <think>: had the prompt not ended with it, it would write it again
     assert sum(r["completions"][0].startswith("<think><think>") for r in rows) < len(rows) / 2
+
+
+# ---------------------------------------------------------------- accuracy under answer_is, on hand-made completions
+PROBLEMS = [{"question": "3 + 4?", "answer": "3 + 4 = 7\n#### 7"},
+            {"question": "10 * 100?", "answer": "10 * 100 = 1000\n#### 1,000"}]
+COMPLETIONS = [["3 + 4 = 7.\nThe answer is 7.", "The answer is 8."],  # one right in its own words
+               ["<think>10*100=1000</think><answer>1000</answer>", "**The final answer is: $1,000**"]]
+LENGTHS = [[9, 5], [12, 10]]
+
+
+def test_accuracy_under_answer_is_counts_the_stated_answers():
+    result = summarize(PROBLEMS, COMPLETIONS, LENGTHS, accuracy_reward="answer_is")
+    assert result["accuracy"] == 0.5 and result["pass_at_k"] == 1.0  # 2 of 4 right; each problem once
+    assert result["format_rate"] == 0.25 and result["accuracy_in_format"] == 0.0  # the tagged one states nothing
+    by_tags = summarize(PROBLEMS, COMPLETIONS, LENGTHS)  # the default: correctness, the <answer> tags
+    assert by_tags["accuracy"] == 0.25 and by_tags["pass_at_k"] == 0.5 and by_tags["accuracy_in_format"] == 1.0
+
+
+def test_details_under_answer_is_hold_it_for_a_paired_gain(tmp_path):
+    write_details(tmp_path / "tags.jsonl", PROBLEMS, COMPLETIONS)
+    write_details(tmp_path / "stated.jsonl", PROBLEMS, COMPLETIONS, accuracy_reward="answer_is")
+    tags, stated = read_details(tmp_path / "tags.jsonl"), read_details(tmp_path / "stated.jsonl")
+    assert list(tags[0]["scores"][0]) == ["correctness", "format", "reward"]  # the default rows, as before
+    assert list(stated[0]["scores"][0]) == ["correctness", "format", "answer_is", "reward"]
+    assert [r["scores"][0]["answer_is"] for r in stated] == [1.0, 0.0]  # first completions: stated 7, tags only
+    before = [dict(r, scores=[{"answer_is": 0.0}]) for r in stated]
+    assert paired_gain(before, stated, key="answer_is")["gain"] == 0.5
+
+
+def test_an_unknown_accuracy_reward_names_the_known_ones(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown reward function\(s\) \['answer'\]; known: \['answer_is'"):
+        summarize(PROBLEMS, COMPLETIONS, LENGTHS, accuracy_reward="answer")
+    out = subprocess.run([sys.executable, "evaluate.py", "--accuracy_reward", "answer"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "unknown --accuracy_reward 'answer': use one of answer_is, correctness, format" in out.stderr

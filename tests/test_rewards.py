@@ -1,5 +1,7 @@
-"""simple_grpo/task/rewards.py: correctness by math-verify against the `####` answer, and the format check."""
+"""simple_grpo/task/rewards.py: correctness by math-verify against the `####` answer, the format check, and
+answer_is (correctness in the model's own "The answer is N.")."""
 import pytest
+import torch
 
 from simple_grpo.task.rewards import correctness_reward, extract_answer, format_reward, reference_answer, score
 
@@ -116,7 +118,8 @@ def test_parse_reward_spec_pairs_names_with_weights():
 
 
 @pytest.mark.parametrize("names, weights, message", [
-    ("correctness,lenght", "1,1", r"unknown reward function\(s\) \['lenght'\]; known: \['correctness', 'format'"),
+    ("correctness,lenght", "1,1",
+     r"unknown reward function\(s\) \['lenght'\]; known: \['answer_is', 'correctness', 'format'"),
     ("correctness,format", "1.0", r"2 reward functions .* but 1 weights"),
     ("correctness", "1,2", r"1 reward functions .* but 2 weights"),
     ("correctness,format", "1,half", "reward weights must be numbers, got '1,half'"),
@@ -186,3 +189,85 @@ def test_a_reward_that_raises_or_returns_no_number_is_named(registry, fn, error,
 def test_score_rejects_an_unknown_reward_name():
     with pytest.raises(ValueError, match=r"unknown reward function\(s\) \['nope'\]"):
         score(GOOD, "14", {"nope": 1.0})
+
+
+# ---------------------------------------------------------------- answer_is: "The answer is N."
+from simple_grpo.rollouts import rollout_stats, score_groups  # noqa: E402
+from simple_grpo.task.rewards import answer_is_reward, extract_stated_answer, pick_accuracy_reward  # noqa: E402
+
+WORKED = "Tom starts with 3 apples and buys 4 more.\n3 + 4 = 7\n\nThe answer is 7."
+
+
+@pytest.mark.parametrize("completion, stated", [
+    (WORKED, "7"),
+    ("So she pays 4 * $250 = $1,000.\nThe answer is $1,000.", "1000"),
+    ("The answer is $42", "42"),
+    ("The answer is $42.", "42"),
+    ("**The answer is: 42**", "42"),
+    ("The final answer is 42", "42"),
+    ("THE ANSWER IS 42.", "42"),
+    ("The answer is 3.50.", "3.50"),
+    ("The answer is -4.", "-4"),
+    ("The answer is **1,000** dollars.", "1000"),
+])
+def test_the_number_right_after_answer_is_is_the_stated_answer(completion, stated):
+    assert extract_stated_answer(completion) == stated
+
+
+@pytest.mark.parametrize("completion", [
+    "3 + 4 = 7. So Tom has 7 apples.",  # no phrase
+    "<think>3+4=7</think><answer>7</answer>",  # the tags are correctness's, not this reward's
+    "The answer is that Tom has 7 apples.",  # no number right after the phrase
+    "The answer is 7? No: the answer is unclear.",  # the last phrase states no number
+    "",
+])
+def test_no_number_right_after_the_last_answer_is_states_nothing(completion):
+    assert extract_stated_answer(completion) is None
+    assert answer_is_reward(completion, "7") == 0.0
+
+
+@pytest.mark.parametrize("completion, gold", [
+    (WORKED, "7"), ("The answer is $1,000.", "1000"), ("The answer is 3.50.", "3.5"), ("The answer is -4.", "-4"),
+    ("**The answer is: 42**", "42"), ("The final answer is 42", "42"), ("the answer is $42", "42"),
+])
+def test_a_right_stated_answer_earns_answer_is(completion, gold):
+    assert answer_is_reward(completion, gold) == 1.0
+
+
+def test_only_the_last_answer_is_counts():
+    text = "The answer is 12. Wait, let me check: 5 + 9 = 14. The answer is 14."
+    assert answer_is_reward(text, "14") == 1.0
+    assert answer_is_reward(text, "12") == 0.0
+
+
+def test_the_right_number_mentioned_before_a_wrong_final_answer_earns_nothing():
+    # what a reward for any mention of the right number (tests/signal_rewards.py) would pay for
+    text = "Tom has 7 apples. He gives 2 away: 7 - 2 = 5.\nThe answer is 5."
+    assert answer_is_reward(text, "7") == 0.0
+
+
+def test_only_the_first_number_after_the_phrase_counts():
+    assert answer_is_reward("The answer is 6 or 7.", "7") == 0.0
+    assert answer_is_reward("The answer is 10 (it is not 7).", "7") == 0.0
+
+
+def test_answer_is_is_registered_and_scores_beside_correctness_and_format():
+    assert REWARD_FUNCS["answer_is"] is answer_is_reward
+    assert parse_reward_spec("answer_is") == {"answer_is": 1.0}
+    assert score(WORKED, "7", {"answer_is": 1.0}) == {"correctness": 0.0, "format": 0.0, "answer_is": 1.0,
+                                                      "reward": 1.0}
+
+
+def test_the_logged_accuracy_is_the_correctness_reward_trained_on():
+    assert pick_accuracy_reward({"correctness": 1.0, "format": 0.5}) == "correctness"
+    assert pick_accuracy_reward({"answer_is": 1.0}) == "answer_is"
+    assert pick_accuracy_reward({"format": 1.0}) == "correctness"
+    # a group of 4 completions to one problem, "7" right: the trainers' log of it
+    texts = [WORKED, "The final answer is 7", "The answer is 8.", "<think>3+4=7</think><answer>7</answer>"]
+    weights = {"answer_is": 1.0}
+    rewards, scores = score_groups(texts, [{"question": "q", "answer": "3 + 4 = 7\n#### 7"}], 4, weights)
+    assert rewards.tolist() == [1.0, 1.0, 0.0, 0.0]
+    mask, has_signal, truncated = torch.ones(4, 5), torch.tensor([True]), torch.zeros(4, dtype=torch.bool)
+    stats = rollout_stats(rewards, scores, mask, has_signal, 1.0, truncated, pick_accuracy_reward(weights))
+    assert stats["accuracy"] == 0.5 and stats["reward_answer_is"] == 0.5
+    assert rollout_stats(rewards, scores, mask, has_signal, 1.0, truncated)["accuracy"] == 0.25  # the tags' rate

@@ -35,6 +35,7 @@ from simple_grpo.logprobs import sequence_logps  # noqa: E402
 from simple_grpo.rollouts import collate, make_groups, rollout_stats, score_groups  # noqa: E402
 from simple_grpo.generation.vllm_sampler import sample, start_vllm  # noqa: E402
 from simple_grpo.task.config import TaskConfig, check_task, load_data  # noqa: E402
+from simple_grpo.task.rewards import pick_accuracy_reward  # noqa: E402
 
 MOST = 0.5  # "most groups are all-alike" from this share on
 
@@ -83,9 +84,9 @@ def check_flags(cfg):
 
 
 # ---------------------------------------------------------------------------- what the samples say
-def correct_per_prompt(scores, G):
-    """How many of each prompt's G completions are correct (correctness reward > 0)."""
-    return [sum(s["correctness"] > 0 for s in scores[q * G:(q + 1) * G]) for q in range(len(scores) // G)]
+def correct_per_prompt(scores, G, accuracy_reward="correctness"):
+    """How many of each prompt's G completions are correct (accuracy_reward > 0: correctness, or answer_is)."""
+    return [sum(s[accuracy_reward] > 0 for s in scores[q * G:(q + 1) * G]) for q in range(len(scores) // G)]
 
 
 def pass_rate_histogram(correct, G):
@@ -193,9 +194,10 @@ def probe(cfg):
                                    skip_special_tokens=True)
     rewards, scores = score_groups(texts, problems, G, weights)
     _, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G, {})
-    stats = rollout_stats(rewards, scores, mask, has_signal, gen_s, truncated)
+    accuracy_reward = pick_accuracy_reward(weights)  # correctness, or answer_is when that is trained on
+    stats = rollout_stats(rewards, scores, mask, has_signal, gen_s, truncated, accuracy_reward)
 
-    correct = correct_per_prompt(scores, G)
+    correct = correct_per_prompt(scores, G, accuracy_reward)
     hist = pass_rate_histogram(correct, G)
     truncated_frac = stats["truncated_frac"]
     print_report(cfg, correct, rewards, stats, truncated_frac)

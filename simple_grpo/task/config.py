@@ -27,7 +27,8 @@ class DataConfig:
 class TaskConfig(DataConfig):
     """... and the reward and the sampling: what the trainers and the tools that sample take."""
     reward_funcs: str = flag("correctness,format",
-                             "reward functions (REWARD_FUNCS in simple_grpo/task/rewards.py); reward = weighted sum")
+                             "reward functions (REWARD_FUNCS in simple_grpo/task/rewards.py); reward = weighted sum; "
+                             "the logged accuracy is the first of correctness, answer_is among them (else correctness)")
     reward_weights: str = flag("1.0,0.5", "one weight per reward function")
     reward_file: str = flag("", "a .py file whose @reward_function-decorated functions add rewards")
     num_generations: int = flag(8, "completions per problem: the group size G")

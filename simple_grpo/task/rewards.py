@@ -1,4 +1,4 @@
-"""Rewards for "think, then answer" completions: correctness, format, and your own.
+"""Rewards for "think, then answer" completions: correctness, format, answer_is, and your own.
 
 Both trainers and evaluate.py score with these functions, so a reward means the same
 thing everywhere. A completion is the model's decoded text after the prompt:
@@ -10,6 +10,9 @@ thing everywhere. A completion is the model's decoded text after the prompt:
   "3.50" = 3.5 and "7/2" = 3.5. No answer tags, no credit.
 - format: <think>...</think> then <answer>...</answer>, each tag exactly once, nothing
   but whitespace around them.
+- answer_is: correctness in a model's own words, for a model never taught the tags: the first
+  number after the last "answer is" ("The answer is 42.", "**The final answer is: $1,000**")
+  equals the reference answer, checked as correctness checks it. No such number, no credit.
 
 Every reward function is `fn(completion: str, answer: str) -> float`, `answer` being the
 reference answer ("1000" for "... #### 1,000"). Add one in a file of your own:
@@ -34,9 +37,13 @@ from math_verify import parse, verify
 
 FORMAT_RE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+ANSWER_IS_RE = re.compile(r"\banswer\s+is", re.IGNORECASE)  # "final answer is" too; its last one counts
+# the number right after it, past spaces, ':', '**' and '$': "1,000" (thousands by 3s), "-4", "3.50"
+STATED_NUMBER_RE = re.compile(r"[\s:*$]*(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)")
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 REWARD_FUNCS = {}  # name -> fn(completion, answer) -> float
 DEFAULT_WEIGHTS = {"correctness": 1.0, "format": 0.5}
+CORRECTNESS_REWARDS = ("correctness", "answer_is")  # earned only by a right answer: what accuracy can mean
 
 
 def reward_function(name):
@@ -63,20 +70,40 @@ def extract_answer(completion: str):
     return found[-1].strip() if found else None
 
 
+def extract_stated_answer(completion: str):
+    """The number stated right after the last "answer is" ("The answer is $1,000." -> "1000"), or None
+    when there is no such phrase or no number follows it."""
+    found = list(ANSWER_IS_RE.finditer(completion))
+    if not found:
+        return None
+    number = STATED_NUMBER_RE.match(completion, found[-1].end())
+    return number.group(1).replace(",", "") if number else None
+
+
 def _timeout():
     # math-verify's time limit uses SIGALRM, which Python allows only in the main thread.
     return 5 if threading.current_thread() is threading.main_thread() else None
 
 
-@reward_function("correctness")
-def correctness_reward(completion: str, answer: str) -> float:
-    """1.0 when the tagged answer equals `answer` (a plain number or expression), else 0.0."""
-    predicted = extract_answer(completion)
+def _equal(predicted, answer) -> float:
+    """1.0 when math-verify finds `predicted` (None: nothing found) equal to `answer`, else 0.0."""
     if not predicted:
         return 0.0
     gold = parse(answer, parsing_timeout=_timeout())
     pred = parse(predicted, parsing_timeout=_timeout())
     return float(bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=_timeout()))
+
+
+@reward_function("correctness")
+def correctness_reward(completion: str, answer: str) -> float:
+    """1.0 when the tagged answer equals `answer` (a plain number or expression), else 0.0."""
+    return _equal(extract_answer(completion), answer)
+
+
+@reward_function("answer_is")
+def answer_is_reward(completion: str, answer: str) -> float:
+    """1.0 when the number after the last "answer is" equals `answer`, else 0.0."""
+    return _equal(extract_stated_answer(completion), answer)
 
 
 @reward_function("format")
@@ -152,12 +179,18 @@ def _reward(name, completion, answer):
     return float(value)
 
 
-def score(completion: str, answer: str, weights=None) -> dict:
-    """Every reward named in `weights` (name -> weight, default DEFAULT_WEIGHTS) plus correctness
-    and format, which the trainers log as accuracy and format rate; `reward`: the weighted sum."""
+def pick_accuracy_reward(weights) -> str:
+    """The reward the trainers log as accuracy: the first of CORRECTNESS_REWARDS among `weights`
+    (--reward_funcs answer_is: answer_is), else correctness."""
+    return next((name for name in weights if name in CORRECTNESS_REWARDS), "correctness")
+
+
+def score(completion: str, answer: str, weights=None, report=("correctness", "format")) -> dict:
+    """Every reward named in `weights` (name -> weight, default DEFAULT_WEIGHTS) plus those in `report`,
+    weighted or not (correctness and format are in every log); `reward`: the weighted sum."""
     weights = weights or DEFAULT_WEIGHTS
-    _known(weights)
-    names = dict.fromkeys(["correctness", "format", *weights])  # in order, once each
+    _known([*weights, *report])
+    names = dict.fromkeys([*report, *weights])  # in order, once each
     out = {name: _reward(name, completion, answer) for name in names}
     out["reward"] = sum(w * out[name] for name, w in weights.items())
     return out
