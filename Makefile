@@ -18,7 +18,8 @@ LORA ?=
 demo: install
 	$(PY) tools/demo.py --seed $(SEED) --trainer $(TRAINER) $(if $(LORA),--lora)
 
-# SmolLM2-135M-Instruct: fetch (cached), format warm start (cached), probe, GRPO with LoRA, before/after (tools/demo_real.py)
+# SmolLM2-135M-Instruct: fetch (cached), the best supervised start (cached), probe, GRPO with LoRA, the supervised
+# control for GRPO's minutes, one table with GRPO's paired gains (tools/demo_real.py)
 demo-real: smollm2
 	$(PY) tools/demo_real.py --seed $(SEED)
 
