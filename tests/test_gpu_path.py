@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from simple_grpo.task.problems import chat_prompt, stop_token_ids
 from simple_grpo.devices import check_shared_memory, generation_gpus, visible_gpus
+from simple_grpo.flags import parse_flags
 from grpo_math import completion_mask
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,6 +91,17 @@ def test_several_workers_take_gpus_of_their_own_in_turn():
     assert [generation_gpus(4, 2, [0], list(range(8)), k, 2)[0] for k in range(2)] == [[4, 5], [6, 7]]
     with pytest.raises(SystemExit, match=r"--gen_workers 2 --gen_tp 1 needs 2 GPUs that no trainer rank uses"):
         generation_gpus(-1, 1, [0], [0, 1], 1, 2)  # two workers cannot share the trainer's GPU
+
+
+def test_gen_tp_above_1_is_refused_on_the_command_line_naming_gen_workers():
+    # tensor-parallel vLLM would run in processes that the in-memory weight sync cannot reach
+    from grpo_vllm_one import Config
+    with pytest.raises(SystemExit) as refused:
+        parse_flags(Config, args=["--gen_tp", "2"])
+    assert str(refused.value).startswith("--gen_tp 2: grpo_vllm_one.py syncs weights only into a vLLM of one GPU "
+                                         "(--gen_tp 1).")
+    assert "--gen_workers K: K one-GPU vLLM workers, each with its own copy of the weights" in str(refused.value)
+    assert parse_flags(Config, args=["--gen_tp", "1"]).gen_tp == 1
 
 
 def test_a_gen_device_that_is_not_on_the_machine_is_a_clear_error():

@@ -9,7 +9,8 @@ from simple_grpo.flags import flag
 class GenerationConfig:
     SECTIONS = {"gen_device": "the generation worker (vLLM)"}
     gen_device: int = flag(-1, "vLLM's first GPU as nvidia-smi numbers it; -1: the first no trainer rank uses")
-    gen_tp: int = flag(1, "vLLM tensor-parallel size: GPUs gen_device, gen_device + 1, ...")
+    gen_tp: int = flag(1, "vLLM tensor-parallel size; only 1: the weight sync reaches one in-process vLLM (more "
+                          "GPUs for sampling: --gen_workers K, each worker on a GPU of its own)")
     gen_every: int = flag(0, "one generation worker per this many trainer ranks (0: one per node)")
     gen_workers: int = flag(1, "generation workers (vLLM engines) per trainer, each on GPU(s) or core(s) of its own")
     gen_threads: int = flag(1, "CPU machines: cores for each worker's vLLM (worker 0: the last ones, 1: those before)")
@@ -27,3 +28,12 @@ class GenerationConfig:
                                       "once vLLM is up (vLLM sizes its cache from the GPU's free memory); "
                                       "vllm_first: always so; together: never wait")
     data_timeout: float = flag(600.0, "seconds to wait for a batch once vLLM is up (the worker: for new weights)")
+
+    def __post_init__(self):
+        """Refuse what cannot run, at parse time (before any process starts)."""
+        if self.gen_tp != 1:
+            # tensor-parallel vLLM runs its model in processes of its own and pickles what collective_rpc
+            # sends them; load_weights (weight_sync.py) sends an iterator, which cannot be pickled
+            raise SystemExit(f"--gen_tp {self.gen_tp}: grpo_vllm_one.py syncs weights only into a vLLM of one GPU "
+                             "(--gen_tp 1). For more sampling, run --gen_workers K: K one-GPU vLLM workers, each with "
+                             "its own copy of the weights; for a model too big for one GPU, vLLM needs a larger GPU")

@@ -204,7 +204,7 @@ def plan_memory(cfg, world_size=1, gpu_gb=None):
         reasons.append("generation: on the training GPU (grpo_train.py), within its activations' share")
     elif gen["needs"] > gen["takes"]:
         tries = ([f"--gen_memory {least}"] if least <= 0.95 else []) + (["--dtype bfloat16"] if d == 4 else []) \
-            + ([f"--gen_tp {2 * tp}"] if least > 0.5 else [])
+            + (["a GPU with more memory for vLLM (--gen_device)"] if least > 0.5 else [])
         reasons.append(f"vLLM needs {gen['needs'] / GB:.1f} GB (weights {gen['weights'] / GB:.1f}, KV cache for "
                        f"{full_batch} sequences of {seq_len} tokens {gen['kv_cache'] / GB:.1f}, runtime "
                        f"{gen['runtime'] / GB:.0f}) but --gen_memory {gen_memory} gives it {gen['takes'] / GB:.1f} "
