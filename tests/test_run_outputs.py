@@ -1,11 +1,14 @@
 """What a run leaves behind and says: TRL-style metrics in metrics.jsonl, completions.jsonl every
 --log_completions_every steps, curves.png and report.html at the end; --report_to's trackers, and
---preflight stopping a run that would get no signal. Short real runs of both trainers (beta 0)."""
+--preflight stopping a run that would get no signal, or whose probe outlives its deadline. Short real
+runs of both trainers (beta 0)."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
+import psutil  # comes with vllm
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,3 +82,17 @@ def test_preflight_stops_a_run_that_would_get_no_signal():
             "reward") in out.stdout
     assert "Not training (run without --preflight to train anyway)" in out.stdout
     assert not os.path.exists(os.path.join(ROOT, "runs", "test_preflight", "metrics.jsonl"))
+
+
+def test_a_preflight_probe_past_its_deadline_stops_the_run_and_is_ended(tmp_path):
+    dataset = tmp_path / "train.jsonl"  # a path of this test's own, to find the probe's process by
+    shutil.copy(os.path.join(ROOT, "data", "toy_math", "train.jsonl"), dataset)
+    # the real probe takes longer than 1 s to start (torch, vLLM)
+    out = run("grpo_train", "test_preflight_timeout", "--preflight", "--preflight_timeout", "1", "--dataset",
+              str(dataset), timeout=300)
+    assert out.returncode != 0, out.stdout[-3000:]
+    assert ("pre-flight: tools/probe.py did not finish in 1 s (--preflight_timeout): it starts vLLM on "
+            "models/tiny-math and samples 64 problems x 8 completions. Raise --preflight_timeout") in out.stdout
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if f"--dataset={dataset}" in (p.info["cmdline"] or [])]
+    assert left == []
+    assert not os.path.exists(os.path.join(ROOT, "runs", "test_preflight_timeout", "metrics.jsonl"))

@@ -72,6 +72,8 @@ class TrainerConfig(TaskConfig):
     report_to: str = flag("none", "none, tensorboard or wandb: send the metrics there too (metrics.jsonl stays)")
     preflight: bool = flag(False, "first probe preflight_n problems (tools/probe.py); stop if no group has signal")
     preflight_n: int = flag(64, "problems the pre-flight probe samples")
+    preflight_timeout: float = flag(1200.0, "seconds the pre-flight probe may take (vLLM's start-up and its "
+                                            "sampling) before the run stops")
     stop_on: str = flag("", "doctor rules that stop the run: no_signal, kl, entropy, truncated, mismatch, ratio")
     doctor_window: int = flag(10, "batches in a row with no signal (no_signal); steps the other rules average")
     doctor_kl_max: float = flag(5.0, "kl: KL to the reference above this (the tiny demo peaks near 1.3)")
