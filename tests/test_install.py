@@ -1,8 +1,10 @@
 """The install steps in the repo's own files: the GPU driver check (fast, with an nvidia-smi that reports a
-given driver), and a full install as a fresh machine runs it (slow)."""
+given driver), the check for Triton's C compiler and Python headers (fast, with a PATH, $CC or Python that
+lacks one), and a full install as a fresh machine runs it (slow)."""
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -66,10 +68,67 @@ def test_a_driver_of_580_or_newer_passes(tmp_path):
 
 
 def test_the_install_stops_before_making_a_venv_on_an_old_driver(tmp_path):
-    for name in ("requirements.txt", "requirements-cpu.txt", "tools/install.sh", "tools/check_gpu_driver.sh"):
+    for name in ("requirements.txt", "requirements-cpu.txt", "tools/install.sh", "tools/check_gpu_driver.sh",
+                 "tools/check_gpu_build_tools.sh"):
         os.makedirs(tmp_path / "repo" / os.path.dirname(name), exist_ok=True)
         shutil.copy(os.path.join(ROOT, name), tmp_path / "repo" / name)
     out = subprocess.run(["bash", "tools/install.sh"], cwd=tmp_path / "repo", env=with_nvidia_smi(tmp_path, "550.54.15"),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "The NVIDIA driver here is 550.54.15" in out.stderr
+    assert not (tmp_path / "repo" / ".venv").exists()
+
+
+def check_build_tools(python=sys.executable, **env):
+    """tools/check_gpu_build_tools.sh for this Python, in this environment with env's changes ($CC unset
+    unless env sets it)."""
+    env = {**{k: v for k, v in os.environ.items() if k != "CC"}, **env}
+    return subprocess.run(["/bin/bash", "tools/check_gpu_build_tools.sh", python], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_c_compiler_and_python_headers_of_this_machine_pass():
+    out = check_build_tools()
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("C compiler ") and "Triton can build its launchers" in out.stdout
+
+
+def test_no_c_compiler_on_path_is_named_with_the_package_that_brings_one(tmp_path):
+    out = check_build_tools(PATH=str(tmp_path))  # a PATH with no gcc, clang or cc on it
+    assert out.returncode == 1
+    assert out.stderr.splitlines()[0] == ("check_gpu_build_tools.sh: no C compiler (gcc or clang) on PATH, nor $CC "
+                                          "set. Triton (vLLM's GPU runner,")
+    assert "sudo apt-get install build-essential python3-dev" in out.stderr
+
+
+def test_a_cc_that_is_not_installed_is_named(tmp_path):
+    out = check_build_tools(CC=str(tmp_path / "no-such-cc"))
+    assert out.returncode == 1
+    assert f"CC={tmp_path / 'no-such-cc'} is not a command here" in out.stderr
+
+
+FAKE_PYTHON = """#!/bin/sh
+# a test input: answers the check's one question as a Python 3.11 without its headers installed would
+echo "{include} 3.11"
+"""
+
+
+def test_missing_python_headers_are_named_with_the_dev_package_of_that_python(tmp_path):
+    python = tmp_path / "python3.11"
+    python.write_text(FAKE_PYTHON.format(include=tmp_path / "include" / "python3.11"))
+    python.chmod(0o755)
+    out = check_build_tools(str(python))
+    assert out.returncode == 1
+    assert f"Python.h is not in {tmp_path / 'include' / 'python3.11'}" in out.stderr
+    assert "sudo apt-get install python3.11-dev" in out.stderr
+
+
+def test_the_install_stops_before_making_a_venv_without_the_c_compiler_triton_needs(tmp_path):
+    for name in ("requirements.txt", "requirements-cpu.txt", "tools/install.sh", "tools/check_gpu_driver.sh",
+                 "tools/check_gpu_build_tools.sh"):
+        os.makedirs(tmp_path / "repo" / os.path.dirname(name), exist_ok=True)
+        shutil.copy(os.path.join(ROOT, name), tmp_path / "repo" / name)
+    env = {**with_nvidia_smi(tmp_path, "580.65.06"), "CC": str(tmp_path / "no-such-cc")}  # a good driver, no compiler
+    out = subprocess.run(["bash", "tools/install.sh"], cwd=tmp_path / "repo", env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 1 and f"CC={tmp_path / 'no-such-cc'} is not a command here" in out.stderr
     assert not (tmp_path / "repo" / ".venv").exists()

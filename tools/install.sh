@@ -3,7 +3,8 @@
 #   bash tools/install.sh                          # requirements.txt (NVIDIA GPU) or requirements-cpu.txt
 #   bash tools/install.sh requirements-bench.txt   # ... then a file of extras on top (TRL for make bench-trl)
 # Picks requirements.txt when an NVIDIA GPU answers `nvidia-smi -L` (after checking that its driver runs
-# CUDA 13: tools/check_gpu_driver.sh), else requirements-cpu.txt; $SIMPLE_GRPO_REQUIREMENTS names another file.
+# CUDA 13, tools/check_gpu_driver.sh, and that Triton finds a C compiler and Python.h,
+# tools/check_gpu_build_tools.sh), else requirements-cpu.txt; $SIMPLE_GRPO_REQUIREMENTS names another file.
 # Idempotent: a stamp file named by the hash of the requirements skips a repeat install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +20,7 @@ stamp=".venv/.installed-$(cat "$req" $extras tools/install.sh | sha256sum | cut 
 [ -f "$stamp" ] && exit 0
 if [ "$req" = requirements.txt ]; then
     bash tools/check_gpu_driver.sh "$req"
+    bash tools/check_gpu_build_tools.sh "$([ -x .venv/bin/python ] && echo .venv/bin/python || echo "${PYTHON:-python3}")"
 fi
 
 [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
