@@ -11,17 +11,17 @@ Models come from the repository or are built from configs/: a GPU machine with n
      on vLLM's V1 and V2 model runners
   5. grpo_vllm_one.py, 10 steps of the tiny model with vLLM on the trainer's GPU (the shared-GPU start-up),
      and on a GPU of its own where there are two
-  6. 5 steps of a random-weight model shaped like Qwen2.5-0.5B, GPU memory sampled against the memory plan
+  6. 5 steps of a random-weight model shaped like Qwen2.5-0.5B, each an update (noise rewards), GPU memory
+     sampled against the memory plan
   7. evaluate.py's hf backend on the GPU
 Each adds a line to the summary printed at the end (tests/conftest.py).
 """
-import json
+import math
 import os
 import shutil
 import statistics
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 
@@ -35,6 +35,7 @@ if not torch.cuda.is_available():  # one skip, one reason line, for the whole fi
 
 from simple_grpo.run.launch import ROOT, free_port, start_ref_server, stop  # noqa: E402
 from simple_grpo.run.metrics import read_metrics  # noqa: E402
+from tests.gpu_harness import check_clean_exit, json_result, run_script  # noqa: E402
 from tests.test_reference_fingerprint import models  # noqa: E402,F401 - the other tiny models, as a fixture
 
 pytestmark = pytest.mark.gpu
@@ -95,46 +96,17 @@ def test_grpo_train_takes_4_bf16_zero2_steps(server, lora, gpu_summary):
                 f"{statistics.median(r['step_s'] for r in rows):.2f} s/step, kl {rows[-1]['kl']:.4f}")
 
 
-SYNC_CHECK = """
-import json, sys, torch
-sys.path.insert(0, ".")
-from transformers import AutoModelForCausalLM
-from grpo_math import completion_mask
-from grpo_vllm_one import Config
-from simple_grpo.generation.vllm_sampler import sample, start_vllm
-from simple_grpo.generation.weight_sync import load_weights
-from simple_grpo.logprobs import sequence_logps
-from simple_grpo.task.problems import chat_prompt, load_jsonl
-dtype = sys.argv[1]
-cfg = Config(model="models/tiny-math", dtype=dtype, batch_prompts=4, num_generations=4, max_new_tokens=40,
-             gen_memory=0.3)
-llm = start_vllm(cfg)
-policy = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, dtype)).cuda().eval()
-with torch.no_grad():  # the "trained" weights: a clear change, tied embeddings included
-    for p in policy.parameters():
-        p.add_(0.02 * torch.randn_like(p))
-load_weights(llm, policy.state_dict())  # in memory, from CUDA tensors, as grpo_vllm_one's worker loads them
-tok = llm.get_tokenizer()
-prompts = [chat_prompt(tok, p["question"]) for p in load_jsonl(cfg.dataset)[:4]]
-prompt_rows, completion_ids, sampler_logps = sample(llm, prompts, cfg)
-P = max(r.numel() for r in prompt_rows)  # the trainer's left-padded prompts, in the training dtype
-prompt_ids = torch.stack([torch.cat([torch.full((P - r.numel(),), tok.pad_token_id), r]) for r in prompt_rows])
-prompt_mask = torch.stack([(torch.arange(P) >= P - r.numel()).long() for r in prompt_rows])
-with torch.no_grad():
-    logps = sequence_logps(policy, prompt_ids.cuda(), prompt_mask.cuda(), completion_ids.cuda(), cfg.temperature)
-mask = completion_mask(completion_ids, tok.eos_token_id).cuda()
-diff = (logps.float() - sampler_logps.cuda()).abs() * mask
-print(json.dumps({"mean": diff.sum().item() / mask.sum().item(), "max": diff.max().item()}))
-"""
-
-
 @pytest.mark.parametrize("runner", ["1", "0"], ids=["v2_runner", "v1_runner"])
 @pytest.mark.parametrize("dtype, mean_tol", [("float32", 1e-3), ("bfloat16", 5e-2)])
 def test_vllm_logps_after_an_in_memory_sync_equal_a_transformers_forward(runner, dtype, mean_tol, gpu_summary):
     pytest.importorskip("vllm", reason="vLLM is not installed here")
-    code, out = run(["-c", textwrap.dedent(SYNC_CHECK), dtype], env=dict(ENV, VLLM_USE_V2_MODEL_RUNNER=runner))
-    assert code == 0, out[-3000:]
-    gap = json.loads(out.strip().splitlines()[-1])
+    # in fp32 vLLM attends with its Triton backend, whose tl.dot rounds fp32 inputs to TF32 (10-bit mantissa)
+    # unless told otherwise: TRITON_F32_DEFAULT=ieee makes full fp32 its default, so 1e-3 tests the sync, not
+    # TF32's rounding (bf16 inputs are not affected)
+    env = dict(ENV, VLLM_USE_V2_MODEL_RUNNER=runner, TRITON_F32_DEFAULT="ieee")
+    done = run_script(["tests/sync_check.py", dtype], env=env)
+    check_clean_exit(done)  # exit 0, and vLLM stopped: no warning about a process group left at exit
+    gap = json_result(done.stdout)
     gpu_summary(f"vLLM {'V2' if runner == '1' else 'V1'} runner, {dtype}: after an in-memory sync, |vLLM - "
                 f"transformers| log-prob per token mean {gap['mean']:.2e}, max {gap['max']:.2e}")
     assert gap["mean"] <= mean_tol
@@ -168,7 +140,9 @@ def used_gpu_memory_gb(index=0):
 
 def test_a_qwen2_5_0_5b_shaped_model_takes_5_steps_within_its_memory_plan(tmp_path, gpu_summary):
     """Random weights from configs/qwen2.5-0.5b with the tiny tokenizer (ids past its vocabulary decode to
-    nothing); grpo_train.py, bf16, ZeRO-2, no reference (beta 0: the training GPU's memory alone)."""
+    nothing); grpo_train.py, bf16, ZeRO-2, no reference (beta 0: the training GPU's memory alone). Rewards are
+    noise (tests/noise_rewards.py): on text that decodes to nothing any other reward ties, the step takes no
+    update, and no gradient or Adam state would be allocated to measure."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     model_dir = tmp_path / "qwen2.5-0.5b-random"
     config = AutoConfig.from_pretrained(os.path.join(ROOT, "configs", "qwen2.5-0.5b"))
@@ -177,10 +151,11 @@ def test_a_qwen2_5_0_5b_shaped_model_takes_5_steps_within_its_memory_plan(tmp_pa
     AutoTokenizer.from_pretrained(TINY).save_pretrained(model_dir)
     shutil.copy(os.path.join(ROOT, TINY, "chat_template.jinja"), model_dir / "chat_template.jinja")
     flags = ["--model", str(model_dir), "--dtype", "bfloat16", "--zero_stage", "2", "--beta", "0",
-             "--batch_prompts", "2", "--num_generations", "4", "--max_new_tokens", "64"]
-    code, out = run(["grpo_train.py", "--plan", *flags])
-    assert code == 0, out[-3000:]
-    plan = json.loads(out.strip().splitlines()[-1])
+             "--batch_prompts", "2", "--num_generations", "4", "--max_new_tokens", "64",
+             "--reward_file", "tests/noise_rewards.py", "--reward_funcs", "noise", "--reward_weights", "1.0"]
+    planned = run_script(["grpo_train.py", "--plan", *flags], env=ENV)
+    assert planned.returncode == 0, planned.stdout[-1000:] + planned.stderr[-2000:]
+    plan = json_result(planned.stdout)
     idle = used_gpu_memory_gb()
     peak, done = [idle], threading.Event()
 
@@ -197,15 +172,19 @@ def test_a_qwen2_5_0_5b_shaped_model_takes_5_steps_within_its_memory_plan(tmp_pa
         done.set()
         sampler.join()
     assert code == 0, out[-3000:]
-    assert len(steps_of("test_gpu_qwen05")) == 5
+    rows = steps_of("test_gpu_qwen05")
+    assert len(rows) == 5
+    # every step updated: a gradient to clip, and Adam's moments allocated (what the plan counts)
+    assert all(r["grad_norm"] and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in rows), rows
     used = max(peak) - idle
     gpu_summary(f"Qwen2.5-0.5B-shaped, bf16 ZeRO-2, 5 steps: GPU memory peak {used:.1f} GB (nvidia-smi, over "
-                f"{idle:.1f} GB idle), plan {plan['trainer_gpu_gb']:.1f} GB ({used / plan['trainer_gpu_gb']:.0%})")
+                f"{idle:.1f} GB idle), plan {plan['trainer_gpu_gb']:.1f} GB ({used / plan['trainer_gpu_gb']:.0%}), "
+                f"grad norm {statistics.median(r['grad_norm'] for r in rows):.3g} (median)")
     assert used <= plan["trainer_gpu_gb"]
 
 
 def test_evaluate_runs_the_hf_backend_on_the_gpu(gpu_summary):
-    code, out = run(["evaluate.py", "--backend", "hf", "--n", "32", "--json"])
-    assert code == 0, out[-3000:]
-    assert "(greedy, hf, float32, cuda)" in out
-    gpu_summary(f"evaluate.py --backend hf on cuda: {json.loads(out.strip().splitlines()[-1])}")
+    done = run_script(["evaluate.py", "--backend", "hf", "--n", "32", "--json"], env=ENV)
+    assert done.returncode == 0, done.stdout[-1000:] + done.stderr[-2000:]
+    assert "(greedy, hf, float32, cuda)" in done.stdout + done.stderr
+    gpu_summary(f"evaluate.py --backend hf on cuda: {json_result(done.stdout)}")

@@ -34,6 +34,17 @@ def start_vllm(cfg, compile=False, block_size=None):
                logprobs_mode="processed_logprobs", **({"block_size": block_size} if block_size else {}))
 
 
+def stop_vllm(llm):
+    """Shut an in-process engine down before its process exits: its executor, then the torch.distributed
+    groups it set up. Left alive, on CUDA its NCCL group outlives the interpreter and torch warns at exit
+    that destroy_process_group() was not called."""
+    llm.llm_engine.engine_core.shutdown()  # the in-process engine core (newer vLLM also destroys its groups)
+    from vllm.distributed import cleanup_dist_env_and_memory
+    cleanup_dist_env_and_memory()  # vLLM's groups (tensor-parallel, world), then the default one
+    if torch.distributed.is_initialized():  # whatever vLLM version left it
+        torch.distributed.destroy_process_group()
+
+
 def sample(llm, prompts, cfg, stop_ids=()):
     """G completions per prompt, each ending at its first stop token (or EOS): prompt rows [(P,)],
     completion_ids (Q*G, C) right-padded with pad, and the sampler's per-token log-probs
