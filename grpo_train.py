@@ -127,12 +127,14 @@ def main(cfg: Config):
                                                         waiting)  # (b, C)
                 bar.set_description_str("grpo")
             elif cfg.beta != 0:  # --use_peft: the reference is our own base model, its adapters off
+                engine.eval()  # the reference as the ref server computes it: evaluation mode, no dropout
                 with engine.module.disable_adapter(), torch.no_grad():
                     ref_logps, _ = completion_logps(engine, prompt_ids, prompt_mask, completion_ids, cfg.temperature)
             ref_logps = None if ref_logps is None else ref_logps.to(mask.device)
             t2 = time.time()
 
             # GRPO 4. the policy's log-probs, the GRPO loss, backward, one optimizer step
+            engine.train()  # training mode: gradient checkpointing and dropout (if not disabled) act only in it
             loss_mask = completion_mask(completion_ids, stop_ids, cfg.mask_truncated_completions)  # (b, C)
             skipped = 0  # updates not taken: a NaN or inf in the gradient or the loss
             for iteration in range(cfg.num_iterations):  # more than 1: PPO's epochs on the same rollouts

@@ -11,7 +11,8 @@ def generate(model, tokenizer, prompts, cfg, stop_ids, synced_gpus=False):
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left",
                     add_special_tokens=False).to(model.device)
     ids, mask, G = enc["input_ids"], enc["attention_mask"], cfg.num_generations
-    model.eval()
+    was_training = model.training
+    model.eval()  # sampling draws from the policy as it is: no dropout
     with torch.no_grad():
         # the G samples of a prompt share it: run each prompt once (all but its last token, which
         # generate feeds itself) and hand generate G copies of its KV cache
@@ -21,5 +22,5 @@ def generate(model, tokenizer, prompts, cfg, stop_ids, synced_gpus=False):
                              top_p=1.0, max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
                              eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
                              synced_gpus=synced_gpus)
-    model.train()
+    model.train(was_training)  # back in the mode the caller had it in
     return ids, mask, out[:, ids.size(1):]

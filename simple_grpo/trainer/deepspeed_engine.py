@@ -49,6 +49,8 @@ def make_engine(cfg):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.use_peft:  # LoRA: the base is frozen, the adapters train (simple_grpo/lora.py)
         model = add_adapters(model, cfg)
+    if cfg.disable_dropout:
+        disable_dropout(model)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=deepspeed_config(cfg)[0])
     if cfg.offload_optimizer:  # the host-side optimizer step: all of this rank's share of the cores
@@ -56,6 +58,16 @@ def make_engine(cfg):
         use_threads_in_step(engine.optimizer.optimizer, threads)
         print(f"optimizer offload: AdamW steps on the host with {threads} threads (--offload_threads)")
     return engine, tokenizer
+
+
+def disable_dropout(model):
+    """Every dropout of the model at 0, so training mode computes what evaluation mode does (TRL's
+    disable_dropout_in_model, and also the attention's own rate, which transformers applies without a module)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
 
 
 def host_threads():

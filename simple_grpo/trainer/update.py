@@ -49,10 +49,12 @@ def micro_batches(batch, cfg):
 
 def reference_logps(engine, batch, cfg):
     """With LoRA (--use_peft, simple_grpo/lora.py), the reference's per-token log-probs of the batch's
-    completions, (Q*G, C): this very model with its adapters switched off, i.e. the frozen base, a
-    micro-batch at a time, no gradient."""
+    completions, (Q*G, C): this very model with its adapters switched off, i.e. the frozen base, in
+    evaluation mode (no dropout, as the ref server), a micro-batch at a time, no gradient. It runs on one
+    rank only (several ranks take the reference from the ref server), so the parts may be any number."""
     _, G, parts = micro_batches(batch, cfg)
     logps = []
+    engine.eval()  # grpo_update puts it back in training mode
     with engine.module.disable_adapter(), torch.no_grad():
         for q0, q1 in parts:
             logps.append(sequence_logps(engine, batch["prompt_ids"][q0:q1].to(engine.device),
@@ -74,6 +76,9 @@ def grpo_update(engine, batch, cfg, stop_ids, weight=1.0):
     time and the gradients add up to the whole batch's, for one optimizer step. weight 0: take part in
     the step's collectives (several ranks) with no gradient of one's own. Returns the stats and the
     last iteration's per-token log-probs (for the completions log)."""
+    # training mode: from_pretrained leaves the model in evaluation mode, and gradient checkpointing
+    # (--gradient_checkpointing) and dropout (--disable_dropout false) act only in training mode
+    engine.train()
     batch = {k: v.to(engine.device) for k, v in batch.items()}
     mask = completion_mask(batch["completion_ids"], stop_ids, cfg.mask_truncated_completions)  # (B, C)
     Q, G, parts = micro_batches(batch, cfg)
