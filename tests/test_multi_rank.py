@@ -102,6 +102,44 @@ def test_two_ranks_take_the_one_rank_step(tmp_path, launcher, stage):
     assert two["weights_sum"] == pytest.approx(one["weights_sum"], rel=1e-4)
 
 
+# Two ranks whose batches hold different numbers of groups, as when the reward leaves one rank's batch
+# fewer groups with signal (the others are dropped before the trainer sees them): rank 0 trains on 3
+# groups, rank 1 on 1, with --micro_batch_groups N (argv[2]). Prints the rank-averaged losses and the
+# saved weights' sum, as STEP does.
+UNEVEN = STEP.replace("cfg = Config(zero_stage=int(args[0]), threads=1, lr=1e-4)",
+                      "cfg = Config(zero_stage=int(args[0]), threads=1, lr=1e-4, micro_batch_groups=int(args[2]))")
+UNEVEN = UNEVEN.replace("""q = Q // world  # this rank's groups
+mine = {k: (v[rank * q:(rank + 1) * q] if k.startswith("prompt") else v[rank * q * G:(rank + 1) * q * G])
+        for k, v in batch.items()}""", """first, end = [(0, 3), (3, 4)][rank]  # this rank's groups
+mine = {k: (v[first:end] if k.startswith("prompt") else v[first * G:end * G]) for k, v in batch.items()}""")
+assert UNEVEN.count("micro_batch_groups") == 1 and "first, end" in UNEVEN
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_ranks_with_different_numbers_of_groups_take_micro_batched_steps_together(tmp_path, stage):
+    """With --micro_batch_groups 1 rank 0 runs 3 forward/backward passes and rank 1 one; ZeRO-2 reduces and
+    ZeRO-3 gathers in every pass, so before the ranks were evened out (grpo_update's `passes`) this waited
+    until the deadline. Now it finishes, and with the same losses and weights as one pass per rank."""
+    script = tmp_path / "uneven.py"
+    script.write_text(UNEVEN)
+    results = {}
+    for groups in (1, 0):
+        cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(script),
+               str(stage), str(tmp_path / f"out_{groups}"), str(groups)]
+        out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                             text=True, timeout=600)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+        lines = [line for line in out.stdout.splitlines() if line.startswith('{"loss"')]
+        assert len(lines) == 1, out.stdout[-3000:]
+        results[groups] = json.loads(lines[0])
+    micro, whole = results[1], results[0]
+    print(f"ZeRO-{stage}, 3 + 1 groups: micro-batched {micro}, whole {whole}")
+    assert micro["world"] == 2 and micro["skipped"] == whole["skipped"] == 0
+    assert micro["loss"] == pytest.approx(whole["loss"], abs=1e-5)
+    assert micro["weights_sum"] == pytest.approx(whole["weights_sum"], rel=1e-6)
+
+
 def test_the_ref_server_hands_each_run_its_own_groups_and_drops_stale_ones():
     from ref_server import Finished
     done = Finished(maxsize=3, stale_s=0.2)
@@ -121,18 +159,20 @@ def test_the_ref_server_hands_each_run_its_own_groups_and_drops_stale_ones():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainer, stage, workers", [("grpo_vllm_one", 3, 1), ("grpo_vllm_one", 2, 2)])
-def test_two_ranks_with_a_ref_server(trainer, stage, workers):
+@pytest.mark.parametrize("trainer, stage, workers, options", [("grpo_vllm_one", 3, 1, []), ("grpo_vllm_one", 2, 2, []),
+                                                             ("grpo_vllm_one", 3, 1, ["--micro_batch_groups", "1"])])
+def test_two_ranks_with_a_ref_server(trainer, stage, workers, options):
     """deepspeed --num_gpus 2 (grpo_train.py runs one process: tests/test_grpo_train.py checks it says so):
     grpo_vllm_one's one vLLM worker (on rank 0) makes a batch for each rank, which the
     server routes by run_id, and under ZeRO-3 both ranks gather the weights for each sync; with
     --gen_every 1 two workers (one per rank, as on two nodes) feed the one server. Every group comes
-    back, rank 0 logs, the checkpoint is whole, and no process is left behind."""
+    back, rank 0 logs, the checkpoint is whole, and no process is left behind. With --micro_batch_groups 1
+    the ranks' batches hold different numbers of groups (those with signal) and still step together."""
     import psutil
     import requests
     import time
-    port, run = free_port(), f"test_two_ranks_{trainer}_{workers}"
-    extra = ["--gen_every", "1"] if workers == 2 else []
+    port, run = free_port(), f"test_two_ranks_{trainer}_{workers}{'_micro' if options else ''}"
+    extra = (["--gen_every", "1"] if workers == 2 else []) + options
     server = subprocess.Popen([sys.executable, "ref_server.py", "--port", str(port)], cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -7,6 +7,7 @@ import math
 import torch
 
 from grpo_math import completion_mask, grpo_loss
+from simple_grpo.devices import max_over_ranks
 from simple_grpo.logprobs import sequence_logps
 from simple_grpo.run.metrics import add_part_stats
 from simple_grpo.trainer.deepspeed_engine import grad_norm
@@ -82,6 +83,11 @@ def grpo_update(engine, batch, cfg, stop_ids, weight=1.0):
     batch = {k: v.to(engine.device) for k, v in batch.items()}
     mask = completion_mask(batch["completion_ids"], stop_ids, cfg.mask_truncated_completions)  # (B, C)
     Q, G, parts = micro_batches(batch, cfg)
+    # every rank runs as many forward/backward passes as the rank with the most parts: ZeRO-2 reduces the
+    # gradients in each backward and ZeRO-3 gathers the weights in each forward and backward, and ranks
+    # that run different numbers of passes wait for each other forever. A rank with fewer groups (with
+    # --micro_batch_groups) runs its first part again with a gradient of weight 0 until it has as many.
+    passes = int(max_over_ranks(len(parts)))
     token_mean = cfg.loss_type in ("bnpo", "dapo", "cispo")  # the others average over sequences first
     sampler_logps = batch.get("sampler_logps")  # (B, C) vLLM's; None where the trainer's own policy sampled
     old_logps, skipped, norm = None, 0, None  # old_logps (B, C): set by the first iteration
@@ -90,11 +96,15 @@ def grpo_update(engine, batch, cfg, stop_ids, weight=1.0):
         old_logps, sampler_logps = sampler_logps, None
     for _ in range(cfg.num_iterations):
         loss, stats, new_logps, entropy = 0.0, {}, [], 0.0
-        for i, (q0, q1) in enumerate(parts):
+        for i, (q0, q1) in enumerate(parts + [parts[0]] * (passes - len(parts))):
             rows = slice(q0 * G, q1 * G)
             logps, part_entropy = sequence_logps(engine, batch["prompt_ids"][q0:q1], batch["prompt_mask"][q0:q1],
                                                  batch["completion_ids"][rows], cfg.temperature, impl=cfg.loss_impl,
                                                  entropy=True)  # (b, C) each, b = (q1 - q0) * G
+            engine.set_gradient_accumulation_boundary(i == passes - 1)  # one optimizer step after the last pass
+            if i >= len(parts):  # a pass that only keeps this rank in step with the others: no gradient, no stats
+                engine.backward(logps.sum() * 0.0)
+                continue
             new_logps.append(logps.detach())
             ref = batch["ref_logps"][rows] if "ref_logps" in batch else None  # (b, C); None with beta 0
             part_loss, part_stats = grpo_loss(
@@ -106,7 +116,6 @@ def grpo_update(engine, batch, cfg, stop_ids, weight=1.0):
             # over sequences; times weight (0 on a rank with no signal: it joins the step, adds no gradient)
             token_share = (mask[rows].sum() / mask.sum().clamp(min=1)).item()
             share = weight * (token_share if token_mean else (q1 - q0) / Q)
-            engine.set_gradient_accumulation_boundary(i == len(parts) - 1)  # one optimizer step after the last
             engine.backward(part_loss * share)
             loss += part_loss.item() * share
             add_part_stats(stats, part_stats, token_share)  # the diagnostics are token means: weighted by tokens
