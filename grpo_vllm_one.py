@@ -45,7 +45,7 @@ from simple_grpo.flags import flag, parse_flags
 from simple_grpo.generation.config import GenerationConfig
 from simple_grpo.generation.progress import WorkerProgress
 from simple_grpo.generation.schedule import WorkerSchedule, batch_worker, stream_id
-from simple_grpo.generation.vllm_sampler import sample, start_vllm
+from simple_grpo.generation.vllm_sampler import sample, start_vllm, stop_vllm
 from simple_grpo.generation.weight_sync import WeightSender, sync_weights
 from simple_grpo.generation.workers import (check_workers, draws_to_resume, local_world_size, start_workers,
                                             stop_workers, take_local_group, wait_for_vllm, watch_parent)
@@ -140,6 +140,7 @@ def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
         for group in groups if not uses_ref_server(cfg) else []:
             channels.groups.put(group)  # local: tensors travel in shared memory, nothing is pickled over a network
         schedule.sampled(kept=bool(groups))  # a batch with no group kept is sampled again
+    stop_vllm(llm)  # the engine and its process groups, before this process exits
 
 
 # ---------------------------------------------------------------------------- training

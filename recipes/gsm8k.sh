@@ -56,11 +56,13 @@ sys.exit('ref_server.py did not answer /health in 10 minutes')"
 data_flags=(--dataset "$DATASET" --dataset_config "$DATASET_CONFIG" --split train)
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     launch=($DEEPSPEED --include "localhost:$TRAIN_GPU")
+    gen_flags=(--gen_device "$GEN_DEVICE")
 else
     launch=($DEEPSPEED --num_gpus 1)  # CPU: one rank
+    gen_flags=()  # vLLM on CPU cores (--gen_device is refused where there is no GPU)
 fi
 "${launch[@]}" grpo_vllm_one.py --model "$MODEL" "${data_flags[@]}" --run_name "$RUN" \
-    --ref_url "http://127.0.0.1:$PORT" --gen_device "$GEN_DEVICE" --zero_stage 2 \
+    --ref_url "http://127.0.0.1:$PORT" "${gen_flags[@]}" --zero_stage 2 \
     --steps "$STEPS" --lr "$LR" --batch_prompts "$BATCH_PROMPTS" --num_generations "$NUM_GENERATIONS" \
     --max_new_tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --beta "$BETA" \
     --micro_batch_groups "$MICRO_BATCH_GROUPS" --dtype "$DTYPE" \

@@ -174,3 +174,16 @@ def test_the_gpu_a_reference_server_reports_is_read_from_its_health_on_loopback_
         stop(proc)
     assert reference_gpus(f"http://127.0.0.1:{port}", timeout=1) == []  # nobody answers: nothing left out
     assert reference_gpus("http://10.1.2.3:59875") == []  # another machine's GPUs are not this node's
+
+
+@pytest.mark.parametrize("flag, value", [("gen_device", 1), ("gen_memory", 0.5)])
+def test_gpu_placement_flags_are_refused_where_there_is_no_gpu(flag, value):
+    # on a CPU machine vLLM runs on cores: a GPU number or a GPU memory share would be ignored
+    import torch
+    from grpo_vllm_one import Config
+    from simple_grpo.generation.workers import place_worker
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the flag places vLLM (the tests above)")
+    with pytest.raises(SystemExit, match=rf"--{flag} {value}: this machine has no GPU.*--gen_threads"):
+        place_worker(Config(**{flag: value}), 0)
+    assert place_worker(Config(), 0)[2]  # the defaults: vLLM on CPU cores

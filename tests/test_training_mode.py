@@ -12,69 +12,29 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# One real update (grpo_update, grpo_vllm_one.py's) on a fixed batch, in a fresh process. It records the
-# module's mode at every forward, and the bytes of every activation autograd saves for backward (weights
-# left out: they are held anyway). Prints one JSON line.
-STEP = r"""
-import json, os, sys
-import torch
-sys.path.insert(0, os.getcwd())
-from grpo_vllm_one import Config
-from simple_grpo.flags import parse_flags
-from simple_grpo.trainer.config import check_options
-from simple_grpo.trainer.deepspeed_engine import make_engine
-from simple_grpo.trainer.update import grpo_update, reference_logps
-
-cfg = parse_flags(Config, "", sys.argv[1:] + ["--threads", "1", "--lr", "1e-4", "--beta", "0.04"])
-check_options(cfg)
-engine, tok = make_engine(cfg)
-started_training = engine.module.training
-modes = []
-engine.module.register_forward_pre_hook(lambda module, args: modes.append(module.training))
-g = torch.Generator().manual_seed(0)
-Q, G, P, C = 2, 4, 24, 16
-batch = {"prompt_ids": torch.randint(3, 500, (Q, P), generator=g), "prompt_mask": torch.ones(Q, P, dtype=torch.long),
-         "completion_ids": torch.randint(3, 500, (Q * G, C), generator=g), "advantages": torch.randn(Q * G, generator=g)}
-if cfg.use_peft:  # the reference: the base, adapters off
-    batch["ref_logps"] = reference_logps(engine, batch, cfg)
-else:  # a reference near the policy, as at the start of a run
-    from simple_grpo.logprobs import sequence_logps
-    with torch.no_grad():
-        batch["ref_logps"] = sequence_logps(engine, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"])
-    batch["ref_logps"] += 0.1 * torch.randn(Q * G, C, generator=g)
-ref_modes, modes[:] = list(modes), []
-
-params = {p.data_ptr() for p in engine.module.parameters()}
-saved = {}
-def pack(t):
-    if t.data_ptr() not in params:  # an activation (a weight is kept whether or not backward needs it)
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return t
-with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-    stats, _ = grpo_update(engine, batch, cfg, tok.eos_token_id)
-
-# two forwards of the same batch in training mode: equal unless dropout acts
-from simple_grpo.logprobs import sequence_logps
-with torch.no_grad():
-    a, b = [sequence_logps(engine, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"]) for _ in "ab"]
-print(json.dumps({"started_training": started_training, "ref_modes": ref_modes, "update_modes": modes,
-                  "saved_bytes": sum(saved.values()), "loss": stats["loss"], "grad_norm": stats["grad_norm"],
-                  "repeat_gap": (a - b).abs().max().item()}))
-"""
+LORA = ["--use_peft", "--lora_target_modules", "all-linear"]
+CONFIGS = {"plain": [], "checkpointed": ["--gradient_checkpointing"], "micro": ["--micro_batch_groups", "1"],
+           "triton": ["--loss_impl", "triton"], "zero3": ["--zero_stage", "3"],
+           "bf16": ["--zero_stage", "2", "--dtype", "bfloat16"], "lora": LORA,
+           "lora_dropout": LORA + ["--disable_dropout", "false", "--lora_dropout", "0.3"]}
 
 
-def run_step(tmp_path, *flags):
-    script = tmp_path / "step.py"
-    script.write_text(STEP)
-    out = subprocess.run([sys.executable, str(script), *flags], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+@pytest.fixture(scope="module")
+def steps():
+    """One real update for each of CONFIGS (tests/training_mode_step.py), in one fresh process: {name: result}.
+    TRITON_INTERPRET=1 lets --loss_impl triton run its kernels on the CPU; the torch path ignores it."""
+    out = subprocess.run([sys.executable, "tests/training_mode_step.py", json.dumps(CONFIGS)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    return json.loads([line for line in out.stdout.splitlines() if line.startswith('{"started_training"')][-1])
+    results = {r["name"]: r for r in map(json.loads, [line for line in out.stdout.splitlines()
+                                                         if line.startswith('{"name"')])}
+    assert sorted(results) == sorted(CONFIGS)
+    return results
 
 
-def test_the_update_runs_in_training_mode_and_checkpointing_keeps_fewer_activations(tmp_path):
-    plain = run_step(tmp_path)
-    checkpointed = run_step(tmp_path, "--gradient_checkpointing")
+def test_the_update_runs_in_training_mode_and_checkpointing_keeps_fewer_activations(steps):
+    plain, checkpointed = steps["plain"], steps["checkpointed"]
     print(f"bytes saved for backward: {plain['saved_bytes']:,} plain, {checkpointed['saved_bytes']:,} checkpointed")
     for run in (plain, checkpointed):
         assert run["started_training"] is False  # as from_pretrained leaves it
@@ -85,15 +45,42 @@ def test_the_update_runs_in_training_mode_and_checkpointing_keeps_fewer_activati
     assert checkpointed["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4) and plain["grad_norm"] > 0
 
 
-def test_the_lora_reference_runs_in_evaluation_mode_and_dropout_acts_only_when_asked(tmp_path):
-    lora = ["--use_peft", "--lora_target_modules", "all-linear"]
-    default = run_step(tmp_path, *lora)
+def test_the_lora_reference_runs_in_evaluation_mode_and_dropout_acts_only_when_asked(steps):
+    default = steps["lora"]
     assert default["ref_modes"] and not any(default["ref_modes"])  # the reference: no dropout, as the ref server
     assert default["update_modes"] and all(default["update_modes"])
     assert default["repeat_gap"] == 0.0  # --disable_dropout (the default): training mode computes one answer
-    dropout = run_step(tmp_path, *lora, "--disable_dropout", "false", "--lora_dropout", "0.3")
+    dropout = steps["lora_dropout"]
     assert not any(dropout["ref_modes"]) and all(dropout["update_modes"])
     assert dropout["repeat_gap"] > 1e-3  # dropout draws new masks each forward
+
+
+def test_micro_batch_groups_splits_the_forward_and_gives_the_same_step(steps):
+    whole, micro = steps["plain"], steps["micro"]
+    # the shared-prompt forward: the Q prompts, then their Q*G completions; Q=2 groups of G=4, one group a pass
+    assert whole["update_rows"] == [2, 8] and micro["update_rows"] == [1, 4, 1, 4]
+    assert micro["loss"] == pytest.approx(whole["loss"], rel=1e-5)
+    assert micro["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-4)
+
+
+def test_loss_impl_triton_runs_the_kernels_with_the_same_numbers(steps):
+    torch_run, triton_run = steps["plain"], steps["triton"]
+    assert torch_run["triton_calls"] == 0 and triton_run["triton_calls"] >= 1
+    assert triton_run["loss"] == pytest.approx(torch_run["loss"], rel=1e-4)
+    assert triton_run["grad_norm"] == pytest.approx(torch_run["grad_norm"], rel=1e-3)
+
+
+def test_zero_stage_and_dtype_change_the_engine_they_name(steps):
+    fp32, zero3, bf16 = steps["plain"], steps["zero3"], steps["bf16"]
+    print({name: {k: r[k] for k in ("zero_stage", "param_dtype", "partitioned", "optimizer", "saved_bytes", "loss")}
+           for name, r in (("fp32", fp32), ("zero3", zero3), ("bf16", bf16))})
+    assert (fp32["zero_stage"], fp32["partitioned"], fp32["param_dtype"]) == (0, False, "torch.float32")
+    assert (zero3["zero_stage"], zero3["partitioned"]) == (3, True)  # the weights live as shards
+    assert zero3["loss"] == pytest.approx(fp32["loss"], rel=1e-5)
+    assert (fp32["optimizer"], zero3["optimizer"]) == ("AdamW", "DeepSpeedZeroOptimizer_Stage3")
+    assert (bf16["zero_stage"], bf16["param_dtype"], bf16["optimizer"]) == (2, "torch.bfloat16", "DeepSpeedZeroOptimizer")
+    assert bf16["saved_bytes"] < 0.75 * fp32["saved_bytes"]  # bf16 activations: about half the bytes
+    assert bf16["loss"] == pytest.approx(fp32["loss"], rel=0.05) and bf16["loss"] != fp32["loss"]
 
 
 def test_lora_dropout_is_refused_while_dropout_is_disabled():

@@ -1,14 +1,13 @@
 """triton_loss/: the kernels match torch autograd (tests/triton_kernel_cases.py, in Triton's CPU
-interpreter), and without a Triton backend the trainers fall back to torch with one warning."""
+interpreter), and without a Triton backend --loss_impl triton is refused, naming the way out."""
 import os
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
 
-from triton_loss import choose_loss_impl
+from triton_loss import check_loss_impl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -25,14 +24,22 @@ def test_kernels_match_torch_autograd_in_the_triton_interpreter():
     assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]
 
 
-def test_without_a_triton_backend_the_trainer_falls_back_to_torch_with_one_warning(monkeypatch):
+def test_without_a_triton_backend_loss_impl_triton_is_refused_naming_torch(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: Triton can run")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert choose_loss_impl("triton") == "torch"
-        assert choose_loss_impl("torch") == "torch"
-    assert len(caught) == 1 and "using the torch implementation" in str(caught[0].message)
-    with pytest.raises(ValueError, match="loss_impl"):
-        choose_loss_impl("cuda")
+    with pytest.raises(SystemExit, match="--loss_impl triton: no GPU for Triton .* use --loss_impl torch"):
+        check_loss_impl("triton")
+    check_loss_impl("torch")
+    with pytest.raises(SystemExit, match="loss_impl"):
+        check_loss_impl("cuda")
+
+
+def test_the_trainer_refuses_loss_impl_triton_before_it_loads_anything():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: Triton can run")
+    r = subprocess.run([sys.executable, "grpo_vllm_one.py", "--loss_impl", "triton", "--beta", "0", "--steps", "1"],
+                       cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "--loss_impl triton: no GPU for Triton" in r.stdout + r.stderr
+    assert "generation worker" not in r.stdout  # stopped before any process started

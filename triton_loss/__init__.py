@@ -1,12 +1,11 @@
 """triton_loss: fused Triton kernels for the log-prob and loss path (see README.md here).
 
-    python grpo_train.py --loss_impl triton         # on a GPU; on CPU with TRITON_INTERPRET=1 (slow)
+    python grpo_vllm_one.py --loss_impl triton      # on a GPU; on CPU with TRITON_INTERPRET=1 (slow)
 
 selective_log_softmax_triton and per_token_loss_triton give the numbers of grpo_math's
-torch versions; choose_loss_impl falls back to torch, with one warning, where Triton cannot run.
+torch versions; check_loss_impl refuses --loss_impl triton where Triton cannot run.
 """
 import os
-import warnings
 
 import torch
 
@@ -25,14 +24,13 @@ def triton_problem():
     return "no GPU for Triton (TRITON_INTERPRET=1 runs the kernels on CPU, slowly)"
 
 
-def choose_loss_impl(loss_impl):
-    """'torch' or 'triton' as asked, or 'torch' with a warning where Triton cannot run."""
+def check_loss_impl(loss_impl):
+    """Stop on a --loss_impl that is not 'torch' or 'triton', or on 'triton' where Triton cannot run
+    (a flag acts or refuses: a silent fall back to torch would report the kernels' speed as theirs)."""
     if loss_impl not in ("torch", "triton"):
-        raise ValueError(f"--loss_impl must be 'torch' or 'triton', got {loss_impl!r}")
+        raise SystemExit(f"--loss_impl must be 'torch' or 'triton', got {loss_impl!r}")
     if loss_impl == "triton" and (problem := triton_problem()):
-        warnings.warn(f"--loss_impl triton: {problem}; using the torch implementation", stacklevel=2)
-        return "torch"
-    return loss_impl
+        raise SystemExit(f"--loss_impl triton: {problem}; use --loss_impl torch (the same numbers)")
 
 
 def selective_log_softmax_triton(logits, token_ids, temperature=1.0):

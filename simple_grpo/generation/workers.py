@@ -84,6 +84,10 @@ def place_worker(cfg, k):
         print(f"generation worker {k}: vLLM on GPU {gpus} (gpu_memory_utilization {cfg.gen_memory}), "
               f"trainer on GPU {trainer_gpus}" + (f", reference server on GPU {busy[0]}" if busy else ""))
         return cfg, env, None, shared_gpu
+    for name, unset in (("gen_device", -1), ("gen_memory", 0.0)):  # GPU flags: refused, not ignored, on a CPU
+        if getattr(cfg, name) != unset:
+            raise SystemExit(f"--{name} {getattr(cfg, name)}: this machine has no GPU, and vLLM runs on CPU cores "
+                             f"(--gen_threads; its KV cache: VLLM_CPU_KVCACHE_SPACE in GiB)")
     # worker k takes the gen_threads cores before worker k-1's, wrapping round on a small machine.
     # OMP_NUM_THREADS caps every OpenMP runtime in the process: vLLM's CPU kernels bring their own,
     # which torch.set_num_threads does not reach (unset, it ran one thread per core of the machine)

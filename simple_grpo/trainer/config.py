@@ -14,6 +14,7 @@ from simple_grpo.run.doctor import parse_stop_on
 from simple_grpo.run.metrics import Tracker
 from simple_grpo.task.config import TaskConfig, check_task
 from simple_grpo.trainer.deepspeed_config import deepspeed_config, uses_bf16, zero_stage
+from triton_loss import check_loss_impl
 
 
 @dataclass
@@ -104,6 +105,7 @@ def check_options(cfg):
     # the ref server holds the reference model; with LoRA the trainer's own base is it (regrouping still
     # needs the server's pools)
     cfg.ref_url = cfg.ref_url or ("" if cfg.use_peft and not getattr(cfg, "regroup", False) else DEFAULT_REF_URL)
+    check_loss_impl(cfg.loss_impl)  # triton where Triton cannot run stops here
     reward_weights = check_task(cfg)  # the model, data, reward and sampling flags (task.py)
     parse_stop_on(cfg.stop_on)
     Tracker.check(cfg.report_to)

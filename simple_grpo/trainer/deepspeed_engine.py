@@ -8,7 +8,6 @@ import torch
 
 from simple_grpo.lora import add_adapters
 from simple_grpo.trainer.deepspeed_config import deepspeed_config
-from triton_loss import choose_loss_impl
 
 
 def setup_distributed():
@@ -38,7 +37,6 @@ def clear_stale_build_locks(extensions_dir, max_age_s=900.0):
 def make_engine(cfg):
     """The policy as a DeepSpeed engine, and its tokenizer (seeds set first)."""
     setup_distributed()
-    cfg.loss_impl = choose_loss_impl(cfg.loss_impl)  # checked before the slow start-up
     import deepspeed
     from transformers import AutoModelForCausalLM, AutoTokenizer
     torch.set_num_threads(cfg.threads)
