@@ -79,11 +79,26 @@ def completion_mask(completion_ids, stop_ids, mask_truncated=False):
     return mask * is_eos.any(1, keepdim=True) if mask_truncated else mask
 
 
-def group_advantages(rewards, group_size, scale_rewards="group", eps=1e-4):
+ADVANTAGE_ESTIMATORS = ("grpo", "raft")
+
+
+def group_advantages(rewards, group_size, scale_rewards="group", eps=1e-4, estimator="grpo"):
     """A = r - mean_group, divided by a std: the group's ("group", GRPO), the whole batch's
     ("batch", more robust when a group's rewards are nearly equal) or none ("none", Dr. GRPO:
-    dividing by a small std weights easy and hard questions up). rewards (B,), group after group."""
+    dividing by a small std weights easy and hard questions up). rewards (B,), group after group.
+
+    estimator "raft" (RAFT, Dong et al. 2023; with a 0/1 correctness reward, rejection-sampling fine-tuning
+    as in Xiong et al. 2025): A = 1 for each group's best-rewarded completions, 0 for the rest, and 0 for
+    the whole group where every reward is 0. At ratio 1 the loss's gradient is then -grad log pi of the kept
+    completions: supervised training on the model's own best answers, with no baseline and no push down.
+    Reinforce-Rej (Xiong et al. 2025: drop the all-wrong and all-right groups, A = r - mean) is "grpo" with
+    scale_rewards "none": the trainers already drop the groups whose rewards are all alike."""
     r = rewards.view(-1, group_size)
+    if estimator == "raft":
+        best = (r == r.max(1, keepdim=True).values) & (r > 0)
+        return best.float().view(-1)
+    if estimator != "grpo":
+        raise ValueError(f"unknown advantage estimator {estimator!r}: use one of {', '.join(ADVANTAGE_ESTIMATORS)}")
     centred = r - r.mean(1, keepdim=True)
     if scale_rewards == "group":
         centred = centred / (r.std(1, keepdim=True) + eps)
@@ -92,6 +107,13 @@ def group_advantages(rewards, group_size, scale_rewards="group", eps=1e-4):
     elif scale_rewards != "none":
         raise ValueError(f"unknown scale_rewards {scale_rewards!r}: use 'group', 'batch' or 'none'")
     return centred.view(-1)
+
+
+def groups_with_signal(advantages, group_size):
+    """(Q,) True for a group with an advantage other than 0: one whose rewards differ (GRPO), or with a
+    kept completion (RAFT). The others add no policy gradient (with beta > 0 their KL term would still
+    pull towards the reference): the trainers drop them."""
+    return (advantages.view(-1, group_size) != 0).any(1)
 
 
 # ---------------------------------------------------------------------------- the loss with all its options

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from grpo_math import completion_logps, completion_mask, group_advantages, grpo_loss, is_truncated
+from grpo_math import (completion_logps, completion_mask, group_advantages, groups_with_signal, grpo_loss,
+                       is_truncated)
 from simple_grpo.flags import flag, parse_flags
 from simple_grpo.generation.hf_sampler import generate
 from simple_grpo.protocol import reference_logps_from_server, uses_ref_server
@@ -106,10 +107,10 @@ def main(cfg: Config):
                                        skip_special_tokens=True)
         gen_s = time.time() - t0
 
-        # GRPO 2. score them; group-relative advantages; keep the groups whose rewards differ
+        # GRPO 2. score them; group-relative advantages; keep the groups with a non-zero advantage
         rewards, scores = score_groups(texts, batch_problems, G, reward_weights)  # (B*G,), a breakdown each
-        advantages = group_advantages(rewards, G, cfg.scale_rewards).float()  # (B*G,)
-        has_signal = rewards.view(-1, G).std(1) > 0  # (B,)
+        advantages = group_advantages(rewards, G, cfg.scale_rewards, estimator=cfg.advantage_estimator).float()
+        has_signal = groups_with_signal(advantages, G)  # (B,): GRPO: the rewards differ
         rollout = rollout_stats(rewards, scores, mask, has_signal, gen_s, is_truncated(completion_ids, stop_ids),
                                 pick_accuracy_reward(reward_weights))  # accuracy: the correctness reward trained on
         kept, keep = has_signal.to(mask.device), has_signal.repeat_interleave(G).to(mask.device)  # groups, rows

@@ -121,7 +121,8 @@ def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
                 "policy_version": schedule.version,
                 "temperature": cfg.temperature, "worker": worker}
         groups, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, sampler_logps,
-                                         keep_equal=cfg.regroup, scale_rewards=cfg.scale_rewards, scores=scores)
+                                         keep_equal=cfg.regroup, scale_rewards=cfg.scale_rewards, scores=scores,
+                                         estimator=cfg.advantage_estimator)
         generated += completion_ids.size(0)
         stats = {**rollout_stats(rewards, scores, mask, has_signal, gen_s, is_truncated(completion_ids, stop_ids),
                                  pick_accuracy_reward(reward_weights)),

@@ -5,7 +5,7 @@ Shapes: Q prompts, G completions each (Q*G rows, group after group), P prompt an
 """
 import torch
 
-from grpo_math import group_advantages
+from grpo_math import group_advantages, groups_with_signal
 from simple_grpo.task.rewards import reference_answer, score
 
 
@@ -17,16 +17,15 @@ def score_groups(completions, problems, G, weights):
 
 
 def make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, sampler_logps=None, keep_equal=False,
-                scale_rewards="group", scores=None):
-    """One group (tensors, meta) per prompt whose rewards differ, ready to post, and has_signal (Q,).
-    A group whose rewards are all equal has every advantage 0: no policy-gradient signal, though with
-    beta > 0 its KL term would still pull towards the reference. Dropping it is a choice (TRL keeps it),
-    which saves its compute; keep_equal keeps it (regroup_ver/ pools it with other answers to the same
-    question). scores: each
-    completion's reward breakdown (task/rewards.py's score), carried in the group's meta for the
-    completions log."""
-    advantages = group_advantages(rewards, G, scale_rewards)
-    has_signal = rewards.view(-1, G).std(1) > 0
+                scale_rewards="group", scores=None, estimator="grpo"):
+    """One group (tensors, meta) per prompt with a non-zero advantage, ready to post, and has_signal (Q,).
+    A group whose advantages are all 0 (GRPO: its rewards are all equal) has no policy-gradient signal,
+    though with beta > 0 its KL term would still pull towards the reference. Dropping it is a choice (TRL
+    keeps it), which saves its compute; keep_equal keeps it (regroup_ver/ pools it with other answers to the
+    same question). estimator: grpo_math.group_advantages's (grpo or raft). scores: each completion's reward
+    breakdown (task/rewards.py's score), carried in the group's meta for the completions log."""
+    advantages = group_advantages(rewards, G, scale_rewards, estimator=estimator)
+    has_signal = groups_with_signal(advantages, G)
     groups = []
     for q in torch.nonzero(has_signal | keep_equal).flatten().tolist():
         rows = slice(q * G, (q + 1) * G)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from grpo_math import completion_mask, group_advantages, grpo_loss, kl_estimate
+from grpo_math import completion_mask, group_advantages, groups_with_signal, grpo_loss, kl_estimate
 
 LOGPS = [[-1.0, -2.0, -0.5], [-0.3, -1.2, -9.0]]
 OLD = [[-1.1, -1.5, -0.5], [-0.3, -1.0, -9.0]]
@@ -141,3 +141,40 @@ def test_unknown_options_name_the_option():
                                                                   "importance_sampling_level")):
         with pytest.raises(ValueError, match=name):
             grpo_loss(logps, old, ref, adv, mask, **kwargs)
+
+
+def test_raft_keeps_each_groups_best_completions_and_none_of_an_all_zero_group():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0,   0.0, 0.0, 0.0, 0.0,   1.0, 1.0, 1.0, 1.0,   0.5, 0.0, 1.5, 1.5])
+    A = group_advantages(rewards, 4, estimator="raft")
+    assert A.tolist() == [1, 0, 1, 0,   0, 0, 0, 0,   1, 1, 1, 1,   0, 0, 1, 1]
+    # the all-right group has signal for RAFT (supervised on it), none for GRPO (every advantage 0)
+    assert groups_with_signal(A, 4).tolist() == [True, False, True, True]
+    assert groups_with_signal(group_advantages(rewards, 4), 4).tolist() == [True, False, False, True]
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
+        group_advantages(rewards, 4, estimator="ppo")
+
+
+def test_groups_with_signal_are_the_groups_whose_rewards_differ_under_grpo():
+    g = torch.Generator().manual_seed(0)
+    for scale in ("group", "batch", "none"):
+        rewards = torch.randint(0, 4, (64 * 8,), generator=g).float() * 0.5
+        rewards[:8 * 8] = 1.0  # some all-alike groups
+        A = group_advantages(rewards, 8, scale)
+        assert torch.equal(groups_with_signal(A, 8), rewards.view(-1, 8).std(1) > 0)
+
+
+def test_the_raft_loss_is_supervised_training_on_the_kept_completions():
+    """At ratio 1 (the first iteration) with beta 0, grpo_loss with RAFT's advantages has the gradient of
+    the mean over completions of -(mean token log-prob) of the kept ones: rejection-sampling fine-tuning."""
+    g = torch.Generator().manual_seed(1)
+    logps = (-torch.rand(8, 5, generator=g) * 3).requires_grad_()
+    mask = torch.tensor([[1, 1, 1, 1, 1]] * 4 + [[1, 1, 0, 0, 0]] * 4, dtype=torch.float)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    A = group_advantages(rewards, 4, estimator="raft")
+    loss, _ = grpo_loss(logps, logps.detach(), None, A, mask, beta=0.0)
+    loss.backward()
+    kept = A.bool()
+    logps2 = logps.detach().clone().requires_grad_()
+    sft = -((logps2 * mask).sum(1) / mask.sum(1))[kept].sum() / 8  # the kept ones' NLL over all 8 completions
+    sft.backward()
+    assert torch.allclose(logps.grad, logps2.grad, atol=1e-7)

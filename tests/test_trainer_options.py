@@ -84,7 +84,8 @@ def test_two_steps_from_each_kind_of_data_file(kind, tmp_path, monkeypatch, rest
 
 def test_bad_options_fail_before_any_model_loads():
     for bad, name in (({"loss_type": "ppo"}, "loss_type"), ({"scale_rewards": "all"}, "scale_rewards"),
-                      ({"kl_estimator": "k9"}, "kl_estimator"), ({"prompt_format": "xml"}, "prompt_format")):
+                      ({"kl_estimator": "k9"}, "kl_estimator"), ({"prompt_format": "xml"}, "prompt_format"),
+                      ({"advantage_estimator": "ppo"}, "advantage_estimator")):
         with pytest.raises(SystemExit, match=name):
             check_options(Config(**bad))
     with pytest.raises(SystemExit, match="unknown reward"):
@@ -178,6 +179,22 @@ def test_micro_batches_give_the_whole_batchs_step(zero_stage, loss_type):
 
 
 @pytest.mark.slow
+def test_raft_trains_on_the_best_completions_and_refuses_the_regrouping_server():
+    from grpo_vllm_one import Config as VllmConfig
+    with pytest.raises(SystemExit, match="--advantage_estimator raft with --regroup"):
+        check_options(VllmConfig(advantage_estimator="raft", regroup=True))
+    out = subprocess.run([sys.executable, "grpo_train.py", "--advantage_estimator", "raft", "--beta", "0", "--lr", "1e-4",
+                          "--steps", "2", "--batch_prompts", "4", "--num_generations", "4", "--max_new_tokens", "32",
+                          "--threads", "1", "--run_name", "test_raft", "--overwrite"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", "test_raft", "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [1, 2]
+    # RAFT's update raises the log-probs of kept completions only: every advantage is 1 or 0, none negative
+    trained = [r for r in rows if r["grad_norm"]]
+    assert trained and all(r["loss"] < 0 for r in trained)
+
+
 def test_grpo_vllm_one_with_beta_zero_needs_no_reference_server():
     out = subprocess.run([sys.executable, "grpo_vllm_one.py", "--beta", "0", "--ref_url", "http://127.0.0.1:9",
                           "--steps", "2", "--batch_prompts", "2", "--num_generations", "4", "--max_new_tokens", "16",

@@ -7,7 +7,7 @@ on other flags and refuses bad values before the slow start-up.
 from dataclasses import dataclass
 from typing import Optional
 
-from grpo_math import LOSS_TYPES
+from grpo_math import ADVANTAGE_ESTIMATORS, LOSS_TYPES
 from simple_grpo.flags import flag
 from simple_grpo.protocol import DEFAULT_REF_URL
 from simple_grpo.run.doctor import parse_stop_on
@@ -30,6 +30,9 @@ class TrainerConfig(TaskConfig):
     epsilon_high: Optional[float] = flag(None, "upper clip (default: epsilon; 0.28 for dapo, 4.0 for cispo)")
     loss_type: str = flag("grpo", "grpo, bnpo, dr_grpo, dapo or cispo: how tokens are averaged (grpo_math.aggregate)")
     importance_sampling_level: str = flag("token", "token, or sequence (GSPO)")
+    advantage_estimator: str = flag("grpo", "grpo: group-relative (r - mean) / std; raft: 1 for each group's "
+                                            "best-rewarded completions, 0 else (RAFT: supervised training on the "
+                                            "model's own best answers; grpo_math.group_advantages)")
     scale_rewards: str = flag("", "advantage scale: group, batch or none (default: group; none for dr_grpo)")
     mask_truncated_completions: bool = flag(False, "completions cut off without a stop token get no gradient")
     lr: float = flag(1e-6, "Adam's learning rate; 1e-6 (TRL's) suits pretrained models in full, ~1e-4 their "
@@ -97,9 +100,13 @@ def check_options(cfg):
         cfg.epsilon_high = {"dapo": 0.28, "cispo": 4.0}.get(cfg.loss_type, cfg.epsilon)
     cfg.scale_rewards = cfg.scale_rewards or ("none" if cfg.loss_type == "dr_grpo" else "group")
     for name, allowed in (("scale_rewards", ("group", "batch", "none")), ("kl_estimator", ("k1", "k2", "k3")),
+                          ("advantage_estimator", ADVANTAGE_ESTIMATORS),
                           ("importance_sampling_level", ("token", "sequence"))):
         if getattr(cfg, name) not in allowed:
             raise SystemExit(f"unknown --{name} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}")
+    if getattr(cfg, "regroup", False) and cfg.advantage_estimator != "grpo":
+        raise SystemExit(f"--advantage_estimator {cfg.advantage_estimator} with --regroup: the regrouping server "
+                         "computes GRPO's advantages itself; leave one of them out")
     if cfg.use_peft:
         check_lora(cfg)
     # the ref server holds the reference model; with LoRA the trainer's own base is it (regrouping still
