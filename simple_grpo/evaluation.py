@@ -8,7 +8,7 @@ import os
 import torch
 from tqdm import tqdm
 
-from simple_grpo.task.rewards import reference_answer, score
+from simple_grpo.task.rewards import reference_answer, score, strict_integer_correct
 
 
 def hf_generate(model, tokenizer, prompts, *, samples=1, temperature=0.0, max_new_tokens=64,
@@ -63,20 +63,25 @@ def _regroup(flat, k):
 
 
 def _scores(completion, answer, accuracy_reward):
-    """score()'s breakdown (correctness, format, reward) with accuracy_reward's value in it too; an unknown
+    """score()'s breakdown (correctness, format, reward) with accuracy_reward's value in it too, then strict:
+    the tagged answer is a plain integer equal to the reference (strict_integer_correct). An unknown
     name is score()'s error, naming the known ones."""
-    return score(completion, answer, report=("correctness", "format", accuracy_reward))
+    scores = score(completion, answer, report=("correctness", "format", accuracy_reward))
+    scores["strict"] = strict_integer_correct(completion, answer)
+    return scores
 
 
 def summarize(problems, completions, lengths, accuracy_reward="correctness"):
     """Rates over all completions: accuracy (the mean of accuracy_reward: correctness, or answer_is for a
-    model that states its answer in its own words), format_rate, pass_at_k and more."""
+    model that states its answer in its own words), accuracy_strict (the mean of strict: a plain integer in the
+    <answer> tags, whatever accuracy_reward is), format_rate, pass_at_k and more."""
     scores = [[_scores(c, reference_answer(p["answer"]), accuracy_reward) for c in cs]
               for p, cs in zip(problems, completions)]
     flat = [s for row in scores for s in row]
     in_format = [s for s in flat if s["format"] == 1.0]
     return {
         "accuracy": sum(s[accuracy_reward] for s in flat) / len(flat),
+        "accuracy_strict": sum(s["strict"] for s in flat) / len(flat),
         "format_rate": sum(s["format"] for s in flat) / len(flat),
         # accuracy among completions that are in format: arithmetic, with format factored out
         "accuracy_in_format": sum(s[accuracy_reward] for s in in_format) / max(len(in_format), 1),
@@ -89,7 +94,8 @@ def summarize(problems, completions, lengths, accuracy_reward="correctness"):
 
 def write_details(path, problems, completions, accuracy_reward="correctness"):
     """One line per problem: its question, reference answer, completions and their scores (accuracy_reward's
-    among them: paired_gain(..., key=accuracy_reward) compares two models by it)."""
+    among them: paired_gain(..., key=accuracy_reward) compares two models by it; key="strict" by the strict
+    integer score)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         for p, cs in zip(problems, completions):
@@ -131,7 +137,8 @@ def context_length(tokenizer, prompts, max_new_tokens, model_dir):
     return longest + max_new_tokens
 
 
-TABLE_COLUMNS = {"accuracy": ("accuracy", 10, ".3f"), "format_rate": ("format", 10, ".3f"),
+TABLE_COLUMNS = {"accuracy": ("accuracy", 10, ".3f"), "accuracy_strict": ("strict", 10, ".3f"),
+                 "format_rate": ("format", 10, ".3f"),
                  "accuracy_in_format": ("acc in format", 15, ".3f"), "mean_tokens": ("tokens", 8, ".1f")}
 
 

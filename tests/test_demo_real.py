@@ -39,6 +39,9 @@ def test_demo_real_runs_end_to_end_in_short(smollm2):  # noqa: F811
         assert low <= report[key]["accuracy"] <= high
         assert report[key]["accuracy"] == pytest.approx(report["after"]["accuracy"] - report[other]["accuracy"],
                                                         abs=1e-3)
+        # the strict integer re-score beside it, paired the same way
+        assert report[key]["accuracy_strict"] == pytest.approx(
+            report["after"]["accuracy_strict"] - report[other]["accuracy_strict"], abs=1e-3)
     assert 0 < report["grpo_minutes"] < report["minutes"]
     assert "GRPO's gain over the control" in out.stdout
     assert "verdict:" in out.stdout  # the probe spoke

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from simple_grpo.evaluation import paired_gain, read_details, summarize, write_details
+from simple_grpo.evaluation import paired_gain, print_before_after, read_details, summarize, write_details
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,8 +105,8 @@ def test_details_under_answer_is_hold_it_for_a_paired_gain(tmp_path):
     write_details(tmp_path / "tags.jsonl", PROBLEMS, COMPLETIONS)
     write_details(tmp_path / "stated.jsonl", PROBLEMS, COMPLETIONS, accuracy_reward="answer_is")
     tags, stated = read_details(tmp_path / "tags.jsonl"), read_details(tmp_path / "stated.jsonl")
-    assert list(tags[0]["scores"][0]) == ["correctness", "format", "reward"]  # the default rows, as before
-    assert list(stated[0]["scores"][0]) == ["correctness", "format", "answer_is", "reward"]
+    assert list(tags[0]["scores"][0]) == ["correctness", "format", "reward", "strict"]  # the default rows
+    assert list(stated[0]["scores"][0]) == ["correctness", "format", "answer_is", "reward", "strict"]
     assert [r["scores"][0]["answer_is"] for r in stated] == [1.0, 0.0]  # first completions: stated 7, tags only
     before = [dict(r, scores=[{"answer_is": 0.0}]) for r in stated]
     assert paired_gain(before, stated, key="answer_is")["gain"] == 0.5
@@ -119,3 +119,48 @@ def test_an_unknown_accuracy_reward_names_the_known_ones(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "unknown --accuracy_reward 'answer': use one of answer_is, correctness, format" in out.stderr
+
+
+# ---------------------------------------------------------------- the strict integer re-score beside math-verify's
+STRICT_PROBLEMS = [{"question": f"q{i}", "answer": f"...\n#### {gold}"}
+                   for i, gold in enumerate(["50", "50", "50", "1,000"])]
+STRICT_COMPLETIONS = [["<think>x</think><answer>21+29</answer>"],  # math-verify: 50; strict: an expression
+                      ["<think>x</think><answer>50</answer>"],
+                      ["<think>x</think><answer> 50 </answer>"],
+                      ["<think>x</think><answer>$1,000</answer>"]]  # math-verify: 1000; strict: a currency sign
+STRICT_LENGTHS = [[10]] * 4
+
+
+def test_accuracy_strict_counts_only_plain_integers_beside_math_verify_accuracy():
+    result = summarize(STRICT_PROBLEMS, STRICT_COMPLETIONS, STRICT_LENGTHS)
+    assert result["accuracy"] == 1.0 and result["accuracy_strict"] == 0.5
+    assert list(result) == ["accuracy", "accuracy_strict", "format_rate", "accuracy_in_format", "pass_at_k",
+                            "mean_tokens", "n", "samples"]  # the others keep their names and order
+
+
+def test_details_hold_the_strict_score_for_a_paired_gain(tmp_path):
+    write_details(tmp_path / "details.jsonl", STRICT_PROBLEMS, STRICT_COMPLETIONS)
+    rows = read_details(tmp_path / "details.jsonl")
+    assert [r["scores"][0]["correctness"] for r in rows] == [1.0, 1.0, 1.0, 1.0]
+    assert [r["scores"][0]["strict"] for r in rows] == [0.0, 1.0, 1.0, 0.0]
+    nothing = [dict(r, scores=[{"strict": 0.0, "correctness": 0.0}]) for r in rows]
+    assert paired_gain(nothing, rows, key="strict")["gain"] == 0.5
+    assert paired_gain(nothing, rows)["gain"] == 1.0
+
+
+def test_the_before_after_table_has_a_strict_column_only_where_the_report_has_it(capsys):
+    row = {"accuracy": 0.5, "format_rate": 1.0, "accuracy_in_format": 0.5, "n": 4}
+    print_before_after({"before": row, "after": row}, ("before", "after"), "")
+    without = capsys.readouterr().out.splitlines()[1]
+    assert without == f"{'':<8}{'accuracy':>10}{'format':>10}{'acc in format':>15}"  # tools/demo.py's, as before
+    strict = dict(row, accuracy_strict=0.25)
+    print_before_after({"before": strict, "after": strict}, ("before", "after"), "")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == f"{'':<8}{'accuracy':>10}{'strict':>10}{'format':>10}{'acc in format':>15}"
+    assert lines[2] == f"{'before':<8}{'0.500':>10}{'0.250':>10}{'1.000':>10}{'0.500':>15}"
+    assert json.loads(lines[-1])["before"]["accuracy_strict"] == 0.25
+
+
+def test_the_json_line_carries_the_strict_accuracy():
+    result = run_evaluate("--backend", "hf", "--n", "8")
+    assert 0.0 <= result["accuracy_strict"] <= result["accuracy"], result

@@ -271,3 +271,46 @@ def test_the_logged_accuracy_is_the_correctness_reward_trained_on():
     stats = rollout_stats(rewards, scores, mask, has_signal, 1.0, truncated, pick_accuracy_reward(weights))
     assert stats["accuracy"] == 0.5 and stats["reward_answer_is"] == 0.5
     assert rollout_stats(rewards, scores, mask, has_signal, 1.0, truncated)["accuracy"] == 0.25  # the tags' rate
+
+
+# ---------------------------------------------------------------- strict: a plain integer in the tags
+from simple_grpo.task.rewards import strict_integer_correct  # noqa: E402
+
+
+def test_an_expression_is_correct_for_math_verify_but_not_strict():
+    assert correctness_reward("<answer>21+29</answer>", "50") == 1.0
+    assert strict_integer_correct("<answer>21+29</answer>", "50") == 0.0
+
+
+@pytest.mark.parametrize("predicted, gold", [
+    ("50", "50"), (" 50 ", "50"), ("\n50\n", "50"), ("-7", "-7"), ("1,000", "1000"),
+    ("1000", "1000"), ("1,234,567", "1234567"), ("050", "50"),
+])
+def test_a_plain_integer_equal_to_the_reference_is_strict_correct(predicted, gold):
+    assert strict_integer_correct(f"<think>x</think><answer>{predicted}</answer>", gold) == 1.0
+
+
+@pytest.mark.parametrize("predicted", [
+    "50.0", "$50", "50 apples", "50.", "5e1", "100/2", "\\boxed{50}", "10,00", "5,0", "- 50", "+50", "５０", "",
+])
+def test_anything_but_a_plain_integer_is_not_strict_correct(predicted):
+    """A decimal, a unit or currency sign, an expression, LaTeX, misplaced commas, a plus sign, non-ASCII digits:
+    math-verify takes some of these as 50 ("50.0", "$50", "50 apples", "100/2", "- 50"); the strict score none."""
+    assert strict_integer_correct(f"<think>x</think><answer>{predicted}</answer>", "50") == 0.0
+
+
+def test_strict_reads_the_last_tagged_answer_and_needs_one():
+    assert strict_integer_correct("<answer>3</answer><answer>50</answer>", "50") == 1.0
+    assert strict_integer_correct("<answer>50</answer><answer>3</answer>", "50") == 0.0
+    assert strict_integer_correct("The answer is 50.", "50") == 0.0  # no tags, no credit
+    assert strict_integer_correct("<answer>51</answer>", "50") == 0.0
+    assert strict_integer_correct("<answer>-50</answer>", "50") == 0.0
+
+
+def test_a_reference_that_is_no_integer_is_strict_correct_for_nothing():
+    assert strict_integer_correct("<answer>3.5</answer>", "3.5") == 0.0
+    assert correctness_reward("<answer>3.5</answer>", "3.5") == 1.0
+
+
+def test_strict_is_not_a_reward_to_train_on():
+    assert "strict" not in REWARD_FUNCS and strict_integer_correct not in REWARD_FUNCS.values()

@@ -15,7 +15,8 @@ training does, on this CPU?
 6. evaluates both ("after", "control");
 7. prints a table, GRPO's paired gains (the same problems, with 95% intervals) against "before" and against
    the control, and one last JSON line {"base", "before", "control", "after", "gain_vs_before",
-   "gain_vs_control", "grpo_minutes", "minutes"}.
+   "gain_vs_control", "grpo_minutes", "minutes"}; beside math-verify's accuracy, each row and gain has the
+   strict one (accuracy_strict: a plain integer in the <answer> tags, simple_grpo/task/rewards.py).
 GRPO learns from final answers only; the supervised start and the control learn from worked solutions.
 The trainer is stopped at the end, on errors, on Ctrl-C and on SIGTERM.
 """
@@ -34,7 +35,7 @@ from simple_grpo.run.launch import ROOT, TEST, evaluate, smollm2_warm_start, sto
 from simple_grpo.run.smollm2_recipe import (CONTROL_FLAGS, EVAL_FLAGS, SAMPLING_FLAGS, STEPS, SYSTEM_PROMPT,  # noqa: E402
                                             TRAIN_FLAGS, WARM_START_FLAGS)
 
-KEEP = ("accuracy", "format_rate", "accuracy_in_format", "mean_tokens", "n")
+KEEP = ("accuracy", "accuracy_strict", "format_rate", "accuracy_in_format", "mean_tokens", "n")
 MODELS = ("base", "before", "control", "after")
 
 
@@ -49,10 +50,13 @@ def run(cmd, env, what):
 
 
 def gain_row(before, after):
-    """paired_gain of two evaluations' details files, rounded for the JSON line."""
-    g = paired_gain(read_details(before), read_details(after))
+    """paired_gain of two evaluations' details files, rounded for the JSON line; the strict integer score's
+    gain beside math-verify's."""
+    before, after = read_details(before), read_details(after)
+    g, strict = paired_gain(before, after), paired_gain(before, after, key="strict")
     return {"accuracy": round(g["gain"], 4), "ci95": [round(x, 4) for x in g["ci95"]], "won": g["won"],
-            "lost": g["lost"], "n": g["n"]}
+            "lost": g["lost"], "n": g["n"], "accuracy_strict": round(strict["gain"], 4),
+            "ci95_strict": [round(x, 4) for x in strict["ci95"]]}
 
 
 def main():
@@ -134,7 +138,9 @@ def summary(report, run_name):
                        ("gain_vs_control", "the control (as many minutes more supervised)")):
         g = report[key]
         lines.append(f"GRPO's gain over {other} on the same {g['n']} problems: {g['accuracy']:+.3f}, 95% interval "
-                     f"[{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}] (won {g['won']}, lost {g['lost']})")
+                     f"[{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}] (won {g['won']}, lost {g['lost']}); strict "
+                     f"(a plain integer answer) {g['accuracy_strict']:+.3f} [{g['ci95_strict'][0]:+.3f}, "
+                     f"{g['ci95_strict'][1]:+.3f}]")
     lines.append(f"GRPO learned from final answers only; the supervised start and the control from worked "
                  f"solutions. GRPO and the control each trained {report['grpo_minutes']:.1f} minutes; the demo took "
                  f"{report['minutes']:.1f}. Curves: runs/{run_name}/curves.png, report: runs/{run_name}/report.html")

@@ -13,6 +13,10 @@ thing everywhere. A completion is the model's decoded text after the prompt:
 - answer_is: correctness in a model's own words, for a model never taught the tags: the first
   number after the last "answer is" ("The answer is 42.", "**The final answer is: $1,000**")
   equals the reference answer, checked as correctness checks it. No such number, no credit.
+- strict (not a reward: evaluation reports it beside correctness as accuracy_strict): the text inside the
+  last <answer>...</answer> is a plain integer, "50", "-3" or "1,000" (commas only between groups of 3
+  digits), equal to the reference. "21+29", "50.0", "$50" and "50 apples", which math-verify accepts as
+  50, are not; nor is "+7", which math-verify refuses too.
 
 Every reward function is `fn(completion: str, answer: str) -> float`, `answer` being the
 reference answer ("1000" for "... #### 1,000"). Add one in a file of your own:
@@ -40,6 +44,8 @@ ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 ANSWER_IS_RE = re.compile(r"\banswer\s+is", re.IGNORECASE)  # "final answer is" too; its last one counts
 # the number right after it, past spaces, ':', '**' and '$': "1,000" (thousands by 3s), "-4", "3.50"
 STATED_NUMBER_RE = re.compile(r"[\s:*$]*(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)")
+# a plain integer and nothing else: an optional minus, then digits, bare or with commas between groups of 3 ("1,000")
+INTEGER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)", re.ASCII)  # ASCII digits only
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 REWARD_FUNCS = {}  # name -> fn(completion, answer) -> float
 DEFAULT_WEIGHTS = {"correctness": 1.0, "format": 0.5}
@@ -104,6 +110,15 @@ def correctness_reward(completion: str, answer: str) -> float:
 def answer_is_reward(completion: str, answer: str) -> float:
     """1.0 when the number after the last "answer is" equals `answer`, else 0.0."""
     return _equal(extract_stated_answer(completion), answer)
+
+
+def strict_integer_correct(completion: str, answer: str) -> float:
+    """1.0 when the tagged answer (extract_answer's, stripped) is a plain integer (INTEGER_RE) equal to
+    `answer`, else 0.0; a reference that is not itself such an integer gets 0.0 from every completion."""
+    predicted = extract_answer(completion)
+    if predicted is None or not INTEGER_RE.fullmatch(predicted) or not INTEGER_RE.fullmatch(answer.strip()):
+        return 0.0
+    return float(int(predicted.replace(",", "")) == int(answer.strip().replace(",", "")))
 
 
 @reward_function("format")
