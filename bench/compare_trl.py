@@ -4,9 +4,12 @@
     python bench/compare_trl.py [--steps 30] [--skip 3] [--lengths 32,256] \\
         [--systems trl,grpo_train,grpo_vllm_one] [--gen_workers 1,2] [--gen_compile on] > compare_trl.jsonl
     python bench/compare_trl.py --world smollm2 --steps 20 --skip 3 --lengths 64 --systems trl,grpo_vllm_one
+    python bench/compare_trl.py --world smollm2 --start DIR --steps 20 --skip 3 --lengths 64 --systems trl,grpo_vllm_one
 
 --world smollm2 gives every system make demo-real's warm-started SmolLM2-135M-Instruct and its recipe
-instead (world_settings below); what follows describes the tiny world.
+instead (world_settings below); what follows describes the tiny world. --start DIR gives every system the
+model in DIR (a whole HF model directory: config.json and a tokenizer) in place of the world's own start,
+with the world's recipe otherwise; each result line then names it ("start").
 
 Every system trains the tiny default model (models/tiny-math) on data/toy_math/train.jsonl
 with the same GRPO step: 8 prompts x 8 completions (64 completions, one optimizer step),
@@ -59,24 +62,45 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.harness import (BETA, GROUP, LR, PROMPTS, REWARD_WEIGHTS, TEMPERATURE, TRAIN,  # noqa: E402
                            build_deepspeed_ops, run, wait_peak_rss)
+from simple_grpo.lora import is_adapter_dir  # noqa: E402
 from simple_grpo.run import smollm2_recipe  # noqa: E402
 from simple_grpo.run.launch import MODEL, evaluate, smollm2_warm_start  # noqa: E402
 from simple_grpo.task.problems import SYSTEM_PROMPT  # noqa: E402
 
 SYSTEMS = ("trl", "grpo_train", "grpo_vllm_one")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # any one makes a tokenizer
 
 
-def world_settings(world, env):
+def check_start(model_dir):
+    """--start: a whole HF model directory, which every system loads; the error names what it lacks."""
+    if not os.path.isdir(model_dir):
+        raise SystemExit(f"--start {model_dir}: no such directory")
+    missing = []
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        lora = is_adapter_dir(model_dir)
+        missing.append("config.json" + (f" (it holds LoRA adapters: `python tools/merge_lora.py {model_dir}` "
+                                        "merges them into a whole model)" if lora else ""))
+    if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES):
+        missing.append(f"a tokenizer (one of {', '.join(TOKENIZER_FILES)})")
+    if missing:
+        raise SystemExit(f"--start {model_dir} is not a model to start from: it lacks {' and '.join(missing)}; "
+                         "save one with model.save_pretrained(DIR) and tokenizer.save_pretrained(DIR)")
+
+
+def world_settings(world, env, start=None):
     """The work every system gets in a world. tiny: the tiny default model, full training, the settings
     above, completions of exactly L tokens. smollm2: make demo-real's warm-started SmolLM2-135M-Instruct
     and its recipe (simple_grpo/run/smollm2_recipe.py): its short system prompt, 4 prompts x 8, LoRA r 16
     alpha 32 dropout 0.05 on every linear layer, lr 2e-4, beta 0 (no reference model anywhere), and
     completions that end at EOS, at most L tokens, as in training (forced to L they would run on past
-    the answer and score nothing)."""
+    the answer and score nothing). start: a model directory every system starts from in place of the world's
+    own (the tiny model, or the warm start, which is then neither fetched nor trained)."""
+    if start is not None:
+        check_start(start)
     if world == "tiny":
-        return {"model": MODEL, "system_prompt": SYSTEM_PROMPT, "prompts": PROMPTS, "lr": LR, "beta": BETA,
+        return {"model": start or MODEL, "system_prompt": SYSTEM_PROMPT, "prompts": PROMPTS, "lr": LR, "beta": BETA,
                 "lora": False, "fixed_length": True, "eval_args": [], "ours": []}
-    _, warm = smollm2_warm_start(env)
+    warm = start or smollm2_warm_start(env)[1]
     recipe = smollm2_recipe
     return {"model": warm, "system_prompt": recipe.SYSTEM_PROMPT, "prompts": recipe.PROMPTS, "lr": recipe.LR,
             "beta": recipe.BETA, "lora": True, "fixed_length": False,
@@ -152,15 +176,16 @@ def trl_train(completion_len, steps, out_dir, gradient_checkpointing, seed, w):
     trainer.save_model(os.path.join(out_dir, "final"))  # with the tokenizer
 
 
-def run_trl(completion_len, steps, skip, env, gradient_checkpointing, seed, world, w):
-    """TRL in a fresh process, its peak RSS sampled like our trainers' (bench/harness.py); then evaluated."""
+def run_trl(completion_len, steps, skip, env, gradient_checkpointing, seed, world, w, start=None):
+    """TRL in a fresh process, its peak RSS sampled like our trainers' (bench/harness.py); then evaluated.
+    start: --start, which the process's world_settings gets too."""
     out_dir = os.path.join("runs", f"bench_trl_{'' if world == 'tiny' else world + '_'}L{completion_len}"
                            + (f"_seed{seed}" if seed else ""))
     t0 = time.time()
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--trl_child", str(completion_len),
                              "--steps", str(steps), "--out_dir", out_dir,
                              "--trl_gradient_checkpointing", gradient_checkpointing, "--seed", str(seed),
-                             "--world", world],
+                             "--world", world, *(["--start", start] if start else [])],
                             cwd=ROOT, env=env)
     peak, _ = wait_peak_rss(proc)
     if proc.returncode != 0:
@@ -203,7 +228,14 @@ def run_ours(trainer, completion_len, steps, skip, env, seed, world, w, gen_work
     return result
 
 
-def main():
+def result_line(args, system, completion_len, result):
+    """A system's JSON line: what ran (the world, the start where --start gave one, L, the seed), its figures."""
+    return {"system": system, "world": args.world, **({"start": args.start} if args.start else {}),
+            "completion_len": completion_len, "seed": args.seed, **result,
+            "steps": args.steps, "timed_steps": args.steps - args.skip}
+
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--skip", type=int, default=3, help="first steps left out of the timings")
@@ -216,12 +248,22 @@ def main():
     ap.add_argument("--ours_flags", default="", help="more flags for our trainers, e.g. \"--max_policy_lag 0\"")
     ap.add_argument("--world", default="tiny", choices=["tiny", "smollm2"],
                     help="tiny: the tiny default model; smollm2: make demo-real's warm-started SmolLM2 and recipe")
+    ap.add_argument("--start", default=None, metavar="DIR",
+                    help="a model directory (config.json and a tokenizer) every system starts from, with the "
+                         "world's recipe otherwise (default: the world's own start)")
     ap.add_argument("--trl_child", type=int, default=0, help=argparse.SUPPRESS)  # internal: run TRL, length L
     ap.add_argument("--out_dir", default="", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.start is not None:  # the systems run from the repository root
+        args.start = os.path.abspath(args.start)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     if args.trl_child:
-        w = world_settings(args.world, env)
+        w = world_settings(args.world, env, args.start)
         trl_train(args.trl_child, args.steps, args.out_dir, args.trl_gradient_checkpointing == "on", args.seed, w)
         return
     systems, lengths = args.systems.split(","), [int(x) for x in args.lengths.split(",")]
@@ -233,7 +275,7 @@ def main():
     # stdout carries only the JSON lines: everything else (our logs, the children's) goes to stderr
     results_out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    w = world_settings(args.world, env)
+    w = world_settings(args.world, env, args.start)
     if set(systems) - {"trl"}:
         build_deepspeed_ops(env)
     worker_counts = [int(k) for k in args.gen_workers.split(",")]
@@ -244,14 +286,12 @@ def main():
             name = system + (f"_k{k}" if k > 1 else "")
             if system == "trl":
                 result = run_trl(completion_len, args.steps, args.skip, env, args.trl_gradient_checkpointing, args.seed,
-                                 args.world, w)
+                                 args.world, w, args.start)
             else:
                 result = run_ours(system, completion_len, args.steps, args.skip, env, args.seed, args.world, w, k,
                                   args.gen_compile == "on", args.ours_flags.split())
                 result["ours_flags"] = args.ours_flags
-            result = {"system": name, "world": args.world, "completion_len": completion_len, "seed": args.seed,
-                      **result,
-                      "steps": args.steps, "timed_steps": args.steps - args.skip}
+            result = result_line(args, name, completion_len, result)
             speed[name, completion_len] = result["completions_per_s"]
             print(json.dumps(result), file=results_out, flush=True)
     if "trl" in systems and len(runs) > 1:
