@@ -29,12 +29,19 @@ def target_modules(spec):
 def add_adapters(model, cfg):
     """The model wrapped by PEFT with fresh LoRA adapters; the base's weights are frozen."""
     from peft import LoraConfig, get_peft_model
-    config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+    config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=lora_dropout(cfg),
                         target_modules=target_modules(cfg.lora_target_modules), task_type="CAUSAL_LM")
     try:
         return get_peft_model(model, config)
     except ValueError as e:  # e.g. a target module name the model does not have
         raise SystemExit(f"--use_peft: PEFT could not add the adapters ({e})") from None
+
+
+def lora_dropout(cfg):
+    """--lora_dropout, or its default: TRL's 0.05, and 0 under --disable_dropout."""
+    if getattr(cfg, "disable_dropout", False):
+        return 0.0
+    return 0.05 if cfg.lora_dropout is None else cfg.lora_dropout
 
 
 def merged_weights(module):

@@ -117,7 +117,7 @@ def test_a_lora_checkpoint_holds_the_adapters_and_evaluate_runs_on_it():
 def test_lora_resume_continues_the_same_run_step_for_step():
     """4 steps at once, and 2 + 2 with --resume (dropout on, so the RNG state must come back too): the same
     rewards, losses and KLs at every step."""
-    common = LORA_TRAIN + ["--disable_dropout", "false", "--lora_dropout", "0.05"]
+    common = LORA_TRAIN + ["--lora_dropout", "0.05"]
     for args in (["--steps", "4", "--run_name", "test_lora_whole"], ["--steps", "2", "--run_name", "test_lora_parts"]):
         out = subprocess.run(common + args, cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]

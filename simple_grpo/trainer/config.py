@@ -44,15 +44,15 @@ class TrainerConfig(TaskConfig):
                                  "adapters off, is the reference (no ref server unless --ref_url)")
     lora_r: int = flag(16, "LoRA rank (TRL's default)")
     lora_alpha: int = flag(32, "LoRA scale numerator: the update is (lora_alpha / lora_r) * B @ A (TRL's default)")
-    lora_dropout: float = flag(0.0, "dropout on the adapters' input while training; acts with --disable_dropout "
-                                    "false (TRL's LoRA default is 0.05)")
+    lora_dropout: Optional[float] = flag(None, "dropout on the adapters' input while training (default: TRL's 0.05, "
+                                               "or 0 with --disable_dropout)")
     lora_target_modules: str = flag("", "comma-separated module names, or all-linear (every linear layer but the "
                                         "output head); default: PEFT's for the architecture (Qwen2, Llama: q_proj,v_proj)")
     zero_stage: int = flag(0, "DeepSpeed ZeRO stage (0-3)")
     dtype: str = flag("float32", "float32, or bfloat16 (bf16 weights and activations, fp32 master weights and Adam)")
-    disable_dropout: bool = flag(True, "every dropout of the policy at 0, LoRA's too (TRL's name; its GRPO default is "
-                                       "false): vLLM samples and the ref server scores without dropout, so the "
-                                       "trainer's log-probs are those of the policy that sampled")
+    disable_dropout: bool = flag(False, "every dropout of the policy at 0, LoRA's too (TRL's name and default): vLLM "
+                                        "samples and the ref server scores without dropout, so with it the trainer's "
+                                        "log-probs are those of the policy that sampled")
     gradient_checkpointing: bool = flag(False, "recompute activations in backward: less memory, ~1/3 more compute")
     offload_optimizer: bool = flag(False, "ZeRO-1/2/3: optimizer state and fp32 master weights in host RAM; "
                                           "torch's fused AdamW steps them on the host's cores")
@@ -133,8 +133,8 @@ def check_lora(cfg):
         raise SystemExit("--use_peft needs PEFT: pip install peft (it is in requirements*.txt)") from None
     if cfg.lora_r < 1 or cfg.lora_alpha <= 0:
         raise SystemExit(f"--lora_r {cfg.lora_r}, --lora_alpha {cfg.lora_alpha}: both must be positive")
-    if not 0 <= cfg.lora_dropout < 1:
+    if cfg.lora_dropout is not None and not 0 <= cfg.lora_dropout < 1:
         raise SystemExit(f"--lora_dropout {cfg.lora_dropout}: must be in [0, 1)")
-    if cfg.lora_dropout > 0 and cfg.disable_dropout:
-        raise SystemExit(f"--lora_dropout {cfg.lora_dropout} does nothing while --disable_dropout (the default) holds "
-                         "every dropout at 0: add --disable_dropout false, or leave --lora_dropout out")
+    if cfg.lora_dropout and cfg.disable_dropout:
+        raise SystemExit(f"--lora_dropout {cfg.lora_dropout} does nothing while --disable_dropout holds every dropout "
+                         "at 0: leave one of them out")
