@@ -110,3 +110,18 @@ def test_max_minutes_ends_it_on_a_time_budget(tmp_path):
 def test_patience_without_evaluations_is_refused(tmp_path):
     result = warm_start(tmp_path / "warm", "--patience", "2")
     assert result.returncode != 0 and "give --eval_every too" in result.stderr
+
+
+def test_a_linear_schedule_ends_at_zero_and_train_n_takes_the_first_problems(tmp_path):
+    result = warm_start(tmp_path / "warm", "--steps", "10", "--lr", "1e-4", "--lr_schedule", "linear",
+                        "--train_n", "4")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "of 4 problems of data/toy_math/train.jsonl" in result.stdout
+    with open(tmp_path / "warm" / "warm_start.json") as f:
+        record = json.load(f)
+    lrs = [h["lr"] for h in record["history"]]
+    assert lrs[:5] == pytest.approx([1e-4 * (s + 1) / 5 * (1 - s / 10) for s in range(5)])  # warm-up x decay
+    assert lrs[4:] == sorted(lrs[4:], reverse=True) and lrs[-1] == pytest.approx(1e-5)  # falls to 0 at step 10
+    assert record["recipe"]["train_n"] == 4 and record["recipe"]["lr_schedule"] == "linear"
+    too_few = warm_start(tmp_path / "few", "--train_n", "1")
+    assert too_few.returncode != 0 and "1 problems, fewer than --batch_size 2" in too_few.stderr

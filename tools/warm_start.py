@@ -37,10 +37,14 @@ class WarmStartConfig:
     model: str = flag("", "the model to teach: an HF model directory")
     out: str = flag("", "where to save the warm-started model")
     train: str = flag("data/toy_math/train.jsonl", "the problems it learns from")
+    train_n: int = flag(0, "learn from the first N problems of --train only (0: all of them): the few problems "
+                           "with worked solutions, where the rest have final answers only")
     system_prompt: str = flag(SYSTEM_PROMPT, "the system prompt, as the trainers will be given it")
     steps: int = flag(40, "supervised steps")
     batch_size: int = flag(8, "sequences per step")
-    lr: float = flag(5e-5, "AdamW's learning rate (constant after 5 warm-up steps)")
+    lr: float = flag(5e-5, "AdamW's learning rate (after 5 warm-up steps)")
+    lr_schedule: str = flag("constant", "constant, or linear: the lr falls linearly to 0 at --steps, so a budget of "
+                                        "steps chosen on dev ends the run, not a plateau read from noise")
     in_format_share: float = flag(0.5, "share of targets in the <think>/<answer> format; the rest in other styles")
     seed: int = flag(0, "seed of the problem draws and target styles")
     threads: int = flag(2, "torch threads")
@@ -66,7 +70,14 @@ def main(cfg: WarmStartConfig):
         raise SystemExit("--eval_every, --patience and --max_minutes must be >= 0, --dev_n >= 1")
     if cfg.patience and not cfg.eval_every:
         raise SystemExit("--patience counts evaluations: give --eval_every too")
+    if cfg.lr_schedule not in ("constant", "linear"):
+        raise SystemExit(f"--lr_schedule {cfg.lr_schedule!r}: use constant or linear")
+    if cfg.train_n < 0:
+        raise SystemExit(f"--train_n {cfg.train_n}: give 0 (all problems) or a positive number")
     recipe = {k: v for k, v in asdict(cfg).items() if k not in ("out", "threads", "save_every")}  # what makes the model
+    for k, default in (("train_n", 0), ("lr_schedule", "constant")):  # added later: count only when set, so the
+        if recipe[k] == default:                                       # warm starts made before stay cached
+            del recipe[k]
     if os.path.isfile(record_path):
         with open(record_path) as f:
             if json.load(f)["recipe"] == recipe:
@@ -80,13 +91,18 @@ def main(cfg: WarmStartConfig):
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     end_token = tokenizer.convert_ids_to_tokens(stop_token_ids(tokenizer)[-1])  # the chat template's turn end
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
-    problems = load_jsonl(cfg.train)
+    problems = load_jsonl(cfg.train)[:cfg.train_n or None]
+    if len(problems) < cfg.batch_size:
+        raise SystemExit(f"--train {cfg.train} --train_n {cfg.train_n}: {len(problems)} problems, fewer than "
+                         f"--batch_size {cfg.batch_size}")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+    decay = (lambda s: max(0.0, 1 - s / cfg.steps)) if cfg.lr_schedule == "linear" else (lambda s: 1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5) * decay(s))
     dev = load_jsonl(cfg.dev)[:cfg.dev_n] if cfg.eval_every else []
     history, curve, best = [], [], None  # best: the dev evaluation of the checkpoint in --out
     t0, eval_seconds = time.time(), 0.0  # training time excludes the evaluations
-    print(f"warm start: up to {cfg.steps} steps x {cfg.batch_size} of {cfg.train} at lr {cfg.lr}, "
+    print(f"warm start: up to {cfg.steps} steps x {cfg.batch_size} of {len(problems)} problems of {cfg.train} at "
+          f"lr {cfg.lr} ({cfg.lr_schedule}), "
           f"{cfg.in_format_share:.0%} of targets in format -> {cfg.out}"
           + (f"; dev accuracy on {len(dev)} problems every {cfg.eval_every} steps, the best kept" if dev else ""),
           flush=True)
@@ -99,9 +115,10 @@ def main(cfg: WarmStartConfig):
         loss = model(input_ids=ids, attention_mask=ids != tokenizer.pad_token_id, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        lr = opt.param_groups[0]["lr"]  # this step's
         opt.step(), sched.step(), opt.zero_grad(set_to_none=True)
         train_seconds = time.time() - t0 - eval_seconds
-        history.append({"step": step, "loss": round(loss.item(), 4), "seconds": round(train_seconds, 1)})
+        history.append({"step": step, "loss": round(loss.item(), 4), "lr": lr, "seconds": round(train_seconds, 1)})
         print(f"warm start step {step}/{cfg.steps}: loss {loss.item():.3f} ({train_seconds:.0f} s)", flush=True)
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
             save(model, tokenizer, os.path.join(cfg.out, f"step_{step}"))
