@@ -49,3 +49,32 @@ def test_demo_real_runs_end_to_end_in_short(smollm2):  # noqa: F811
     for name in ("config.json", "metrics.jsonl", "report.html", "eval_base.jsonl", "eval_after.jsonl",
                  "eval_control.jsonl", "control/warm_start.json", "step_2/adapter_model.safetensors"):
         assert os.path.isfile(os.path.join(run_dir, name)), name
+
+
+def test_the_answers_setting_runs_end_to_end_in_short(smollm2):  # noqa: F811
+    """--setting answers: a short start on the few solutions, 2 steps each of GRPO and RAFT on the answers-only
+    problems, the control, five evaluations and GRPO's three paired gains, on 16 test problems."""
+    run = "test_demo_answers"
+    short_start = "--batch_size 8 --lr 1e-4 --in_format_share 1.0 --train_n 300 --lr_schedule linear --steps 8 " \
+                  "--eval_every 4 --dev_n 16"
+    out = subprocess.run([sys.executable, "tools/demo_real.py", "--setting", "answers", "--steps", "2", "--n", "16",
+                          "--run_name", run, "--warm_start_flags", short_start],
+                         cwd=ROOT, capture_output=True, text=True, timeout=2300,
+                         env=dict(os.environ, SIMPLE_GRPO_SMOLLM2=smollm2))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    models = ("base", "start", "control", "raft", "grpo")
+    assert set(report) == {*models, "gain_vs_start", "gain_vs_raft", "gain_vs_control", "grpo_minutes",
+                           "raft_minutes", "minutes"}
+    for name in models:
+        assert report[name]["n"] == 16 and 0 <= report[name]["accuracy"] <= 1, report[name]
+    for other in ("start", "raft", "control"):
+        assert report[f"gain_vs_{other}"]["accuracy"] == pytest.approx(
+            report["grpo"]["accuracy"] - report[other]["accuracy"], abs=1e-3)
+    run_dir = os.path.join(ROOT, "runs", run)
+    with open(os.path.join(run_dir, "answers_only.jsonl")) as f:
+        first = json.loads(f.readline())
+    assert first["answer"].startswith("#### ") and "<<" not in first["answer"]  # no worked solution in it
+    for name in (f"{run}_grpo", f"{run}_raft"):
+        rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", name, "metrics.jsonl"))]
+        assert [r["step"] for r in rows] == [1, 2]

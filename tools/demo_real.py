@@ -18,6 +18,13 @@ training does, on this CPU?
    "gain_vs_control", "grpo_minutes", "minutes"}; beside math-verify's accuracy, each row and gain has the
    strict one (accuracy_strict: a plain integer in the <answer> tags, simple_grpo/task/rewards.py).
 GRPO learns from final answers only; the supervised start and the control learn from worked solutions.
+
+--setting answers: worked solutions for a few problems (smollm2_recipe.FEW_SOLUTIONS, 300), final answers only
+for the rest, as most RL data comes. The start is supervised on the few (a linearly decaying lr, the best dev
+checkpoint; cached); then, from it, on the answers-only problems, the same GRPO recipe, RAFT on the same samples
+(--advantage_estimator raft: supervised training on the model's own best answers each step), and supervised
+training continued on the few solutions for GRPO's minutes; the table has base, start, GRPO, RAFT, control and
+GRPO's paired gains over the start, RAFT and the control.
 The trainer is stopped at the end, on errors, on Ctrl-C and on SIGTERM.
 """
 import argparse
@@ -32,8 +39,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from simple_grpo.evaluation import paired_gain, print_before_after, read_details  # noqa: E402
 from simple_grpo.run.launch import ROOT, TEST, evaluate, smollm2_warm_start, stop  # noqa: E402
-from simple_grpo.run.smollm2_recipe import (CONTROL_FLAGS, EVAL_FLAGS, SAMPLING_FLAGS, STEPS, SYSTEM_PROMPT,  # noqa: E402
-                                            TRAIN_FLAGS, WARM_START_FLAGS)
+from simple_grpo.run.smollm2_recipe import (CONTROL_FLAGS, EVAL_FLAGS, FEW_SOLUTIONS, FEW_START_FLAGS,  # noqa: E402
+                                            SAMPLING_FLAGS, STEPS, SYSTEM_PROMPT, TRAIN_FLAGS, WARM_START_FLAGS)
+from simple_grpo.task.problems import load_jsonl  # noqa: E402
 
 KEEP = ("accuracy", "accuracy_strict", "format_rate", "accuracy_in_format", "mean_tokens", "n")
 MODELS = ("base", "before", "control", "after")
@@ -69,8 +77,13 @@ def main():
     ap.add_argument("--warm_start_flags", default=None,
                     help="tools/warm_start.py flags for the supervised start, as one string (default: the "
                          "recipe's, to the dev plateau); the tests give a short one")
+    ap.add_argument("--setting", default="solutions", choices=["solutions", "answers"],
+                    help="solutions: worked solutions for every training problem; answers: for a few only, final "
+                         "answers for the rest (GRPO against RAFT and supervised training)")
     ap.add_argument("train_args", nargs="*", help="extra grpo_vllm_one.py flags, after --")
     args = ap.parse_args()
+    if args.setting == "answers":
+        return answers_demo(args)
     run_name = args.run_name or f"demo_real_seed{args.seed}"
     run_dir = os.path.join(ROOT, "runs", run_name)
     # two busy processes on two cores: OpenMP threads must sleep, not spin, while they wait
@@ -129,6 +142,77 @@ def main():
     report["grpo_minutes"] = round(grpo_minutes, 2)
     report["minutes"] = round((time.time() - t0) / 60, 2)
     print_before_after(report, MODELS, summary(report, run_name))
+
+
+ANSWERS_MODELS = ("base", "start", "control", "raft", "grpo")
+
+
+def answers_demo(args):
+    """--setting answers: the start from a few worked solutions, then GRPO, RAFT and supervised training."""
+    run_name = args.run_name or f"demo_answers_seed{args.seed}"
+    run_dir = os.path.join(ROOT, "runs", run_name)
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    t0, prompt = time.time(), ["--system_prompt", SYSTEM_PROMPT]
+    os.makedirs(run_dir, exist_ok=True)
+
+    print(f"\n== 1/5 the data: worked solutions for the first {FEW_SOLUTIONS} training problems, final answers only "
+          "for the rest", flush=True)
+    train = load_jsonl(os.path.join(ROOT, "data", "toy_math", "train.jsonl"))
+    answers_only = os.path.join(run_dir, "answers_only.jsonl")
+    with open(answers_only, "w") as f:  # the question and "#### N": what GRPO and RAFT are given
+        for p in train[FEW_SOLUTIONS:]:
+            f.write(json.dumps({"question": p["question"], "answer": "#### " + p["answer"].split("####")[-1].strip()})
+                    + "\n")
+
+    print(f"\n== 2/5 SmolLM2-135M-Instruct and its start: supervised on the {FEW_SOLUTIONS} solutions (cached)",
+          flush=True)
+    warm_flags = args.warm_start_flags.split() if args.warm_start_flags is not None else FEW_START_FLAGS
+    base, start = smollm2_warm_start(env, warm_flags)
+    with open(os.path.join(ROOT, start, "warm_start.json")) as f:
+        record = json.load(f)
+    step_s = record["history"][-1]["seconds"] / len(record["history"])  # the start's seconds per supervised step
+
+    print("\n== 3/5 from the start, on the answers-only problems: GRPO, then RAFT on the same recipe", flush=True)
+    minutes, trained = {}, {}
+    for name, extra in (("grpo", []), ("raft", ["--advantage_estimator", "raft"])):
+        t = time.time()
+        run(["grpo_vllm_one.py", "--model", start, "--dataset", answers_only, *prompt, *TRAIN_FLAGS, *extra,
+             "--save_every", "1000", "--run_name", f"{run_name}_{name}", "--overwrite", "--seed", str(args.seed),
+             "--steps", str(args.steps), *args.train_args], env, f"grpo_vllm_one.py ({name})")
+        minutes[name] = (time.time() - t) / 60
+        trained[name] = os.path.join(ROOT, "runs", f"{run_name}_{name}", f"step_{args.steps}")
+
+    print(f"\n== 4/5 the control: supervised training continued on the {FEW_SOLUTIONS} solutions for GRPO's "
+          f"{minutes['grpo']:.1f} minutes, the lr falling to 0 over them", flush=True)
+    control = os.path.join(run_dir, "control")
+    if os.path.isdir(control):  # an earlier demo's control in this run directory
+        shutil.rmtree(control)
+    steps = max(1, round(minutes["grpo"] * 60 / step_s))
+    run(["tools/warm_start.py", "--model", start, "--out", control, *prompt, *CONTROL_FLAGS, "--train_n",
+         str(FEW_SOLUTIONS), "--lr_schedule", "linear", "--steps", str(steps), "--seed", str(1000 + args.seed)],
+        env, "the supervised control")
+
+    print(f"\n== 5/5 evaluate the five models on {args.n} test problems", flush=True)
+    eval_args = [*prompt, *EVAL_FLAGS, "--n", str(args.n)]
+    details = {name: os.path.join(run_dir, f"eval_{name}.jsonl") for name in ANSWERS_MODELS}
+    models = {"base": base, "start": start, "control": control, **trained}
+    figures = {name: evaluate(models[name], env, TEST, [*eval_args, "--details", details[name]])
+               for name in ANSWERS_MODELS}
+    report = {name: {k: figures[name][k] for k in KEEP} for name in ANSWERS_MODELS}
+    for other in ("start", "raft", "control"):
+        report[f"gain_vs_{other}"] = gain_row(details[other], details["grpo"])
+    report["grpo_minutes"], report["raft_minutes"] = round(minutes["grpo"], 2), round(minutes["raft"], 2)
+    report["minutes"] = round((time.time() - t0) / 60, 2)
+    lines = [f"GRPO's gain over {other} on the same {g['n']} problems: {g['accuracy']:+.3f}, 95% interval "
+             f"[{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}] (won {g['won']}, lost {g['lost']}); strict "
+             f"{g['accuracy_strict']:+.3f} [{g['ci95_strict'][0]:+.3f}, {g['ci95_strict'][1]:+.3f}]"
+             for other, g in (("the start", report["gain_vs_start"]), ("RAFT", report["gain_vs_raft"]),
+                              ("the control", report["gain_vs_control"]))]
+    lines.append(f"The start and the control learned from {FEW_SOLUTIONS} worked solutions; GRPO and RAFT from the "
+                 f"final answers of the other {len(train) - FEW_SOLUTIONS}. GRPO trained {minutes['grpo']:.1f} "
+                 f"minutes, RAFT {minutes['raft']:.1f}; the demo took {report['minutes']:.1f}.")
+    print_before_after(report, ANSWERS_MODELS, "\n".join(lines))
 
 
 def summary(report, run_name):
