@@ -109,7 +109,8 @@ atexit.register(write)
 """
 
 
-@pytest.mark.parametrize("trainer", ["grpo_train", "grpo_vllm_one"])
+# grpo_vllm_one's update is grpo_update, which the fast tests above run; its whole run (~35 s) is slow-marked
+@pytest.mark.parametrize("trainer", ["grpo_train", pytest.param("grpo_vllm_one", marks=pytest.mark.slow)])
 def test_a_whole_run_with_gradient_checkpointing_checkpoints(tmp_path, trainer):
     (tmp_path / "sitecustomize.py").write_text(COUNTER)
     run = f"test_checkpointing_{trainer}"
