@@ -1,4 +1,4 @@
-"""The GRPO math, written once and imported by both trainers: grpo_train.py reads with it.
+"""The GRPO math, written once and imported by both trainers.
 
 For each prompt we sample a group of G completions, score them, and push up the
 log-probability of the better-than-average ones (Shao et al. 2024, DeepSeekMath):
@@ -12,10 +12,13 @@ log-probability of the better-than-average ones (Shao et al. 2024, DeepSeekMath)
 grpo_objective, first below, is that loss in a dozen lines, for reading. grpo_loss, last, computes
 the same number with the variants of the papers that followed as options (names as in TRL's
 GRPOConfig): how the tokens are averaged (loss_type), whether the ratio is per token or per
-sequence (importance_sampling_level, GSPO), which KL estimator, how rewards are scaled.
+sequence (importance_sampling_level, GSPO), which KL estimator; group_advantages has the advantage's
+(how rewards are scaled, RAFT).
 
-completion_logps gives the log-probs these take, the plain way (one forward, log_softmax, gather);
-grpo_vllm_one.py takes the same numbers from simple_grpo/logprobs.py, in less time and memory.
+completion_logps gives the log-probs these take, the plain way (one forward, log_softmax, gather):
+grpo_train.py's policy (and its LoRA reference) use it. The reference server and grpo_vllm_one.py take
+the same numbers from simple_grpo/logprobs.py's sequence_logps, in less time and memory (a group's
+prompt runs once for its G completions); tests/test_ref_server.py checks they agree.
 
 Shapes: Q prompts, G completions per prompt, B = Q*G rows (the G completions of a prompt one after
 another), P prompt tokens, C completion tokens, V the vocabulary.
@@ -24,9 +27,9 @@ import torch
 
 
 # ---------------------------------------------------------------------------- GRPO in one function
-def grpo_objective(logps, old_logps, ref_logps, rewards, mask, G, beta=0.04, epsilon=0.2):
+def grpo_objective(logps, old_logps, ref_logps, rewards, loss_mask, G, beta=0.04, epsilon=0.2):
     """The GRPO loss, term by term (tests/test_grpo_math.py: equal to grpo_loss's default).
-    logps, old_logps, ref_logps, mask: (B, C) per completion token; rewards: (B,)."""
+    logps, old_logps, ref_logps, loss_mask: (B, C) per completion token; rewards: (B,)."""
     r = rewards.view(-1, G)                                                           # (Q, G)
     advantage = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1, 1)  # (B, 1)
     ratio = torch.exp(logps - old_logps)                                              # pi / pi_old, per token
@@ -35,7 +38,7 @@ def grpo_objective(logps, old_logps, ref_logps, rewards, mask, G, beta=0.04, eps
     d = ref_logps - logps
     kl = torch.exp(d) - d - 1                                                         # KL to the reference (k3)
     per_token = -(surrogate - beta * kl)                                              # maximise A, stay near ref
-    per_completion = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)            # mean over its tokens
+    per_completion = (per_token * loss_mask).sum(1) / loss_mask.sum(1).clamp(min=1)  # mean over its tokens
     return per_completion.mean()                                                      # mean over completions
 
 
@@ -45,12 +48,14 @@ def completion_logps(model, prompt_ids, prompt_mask, completion_ids, temperature
     position's distribution (a diagnostic: how sure the policy is), (B, C). One forward over prompt +
     completion, log_softmax, gather. prompt_ids (Q, P) left-padded with prompt_mask; completion_ids (B, C)
     right-padded, group after group. Dividing by the sampling temperature makes these the log-probs of
-    the distribution the tokens were drawn from."""
+    softmax(logits / temperature), the distribution both samplers draw from (hf_sampler.py and
+    vllm_sampler.py apply no top-k, top-p or penalty; only --min_new_tokens, for benchmarks, forbids the
+    stop tokens before that length)."""
     G, P = completion_ids.size(0) // prompt_ids.size(0), prompt_ids.size(1)
     ids = torch.cat([prompt_ids.repeat_interleave(G, 0), completion_ids], 1)                 # (B, P + C)
-    mask = torch.cat([prompt_mask.repeat_interleave(G, 0), torch.ones_like(completion_ids)], 1)  # (B, P + C)
-    positions = (mask.cumsum(1) - 1).clamp(min=0)             # count real tokens only, as generation does
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+    attention_mask = torch.cat([prompt_mask.repeat_interleave(G, 0), torch.ones_like(completion_ids)], 1)  # (B, P + C)
+    positions = (attention_mask.cumsum(1) - 1).clamp(min=0)   # count real tokens only, as generation does
+    logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=positions, use_cache=False).logits
     logits = logits[:, P - 1:-1].float() / temperature        # (B, C, V): position P-1+t predicts token t
     all_logps = torch.log_softmax(logits, dim=-1)                                          # (B, C, V)
     logps = all_logps.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)                 # (B, C)
@@ -71,7 +76,8 @@ def completion_mask(completion_ids, stop_ids, mask_truncated=False):
     stop_ids: the EOS id, or a list of ids that end a completion (stop_token_ids in
     simple_grpo/task/problems.py: EOS and the chat template's turn end). By position, not by token
     id: EOS itself is trained even when pad == eos, and a completion cut off without EOS keeps all
-    its tokens, unless mask_truncated: then it is all 0 (DAPO: a cut-off answer was not judged on its merits, so it should not be trained)."""
+    its tokens, unless mask_truncated: then it is all 0 (DAPO: a cut-off answer was not judged on its
+    merits, so it should not be trained)."""
     is_eos = torch.isin(completion_ids, torch.as_tensor(stop_ids, device=completion_ids.device))
     T = completion_ids.size(1)
     first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], T, dtype=torch.long))
@@ -86,10 +92,14 @@ def group_advantages(rewards, group_size, scale_rewards="group", eps=1e-4, estim
     """A = r - mean_group, divided by a std: the group's ("group", GRPO), the whole batch's
     ("batch", more robust when a group's rewards are nearly equal) or none ("none", Dr. GRPO:
     dividing by a small std weights easy and hard questions up). rewards (B,), group after group.
+    eps: a group whose rewards are all equal gets A = 0 / (0 + eps) = 0, not 0 / 0 = NaN, and one whose
+    rewards differ by less than about eps (noise) gets small advantages, not ones of size 1. At 1e-4 (TRL's
+    and simple_GRPO's value) it shrinks the advantages of rewards that differ by a reward step by under
+    0.1% (std 0.18 where one completion of 8 differs by 0.5, the format reward's weight).
 
     estimator "raft" (RAFT, Dong et al. 2023; with a 0/1 correctness reward, rejection-sampling fine-tuning
     as in Xiong et al. 2025): A = 1 for each group's best-rewarded completions, 0 for the rest, and 0 for
-    the whole group where every reward is 0. At ratio 1 the loss's gradient is then -grad log pi of the kept
+    the whole group where every reward is 0. At ratio 1 the loss's gradient is then -grad log pi of the best
     completions: supervised training on the model's own best answers, with no baseline and no push down.
     Reinforce-Rej (Xiong et al. 2025: drop the all-wrong and all-right groups, A = r - mean) is "grpo" with
     scale_rewards "none": the trainers already drop the groups whose rewards are all alike."""
@@ -111,7 +121,7 @@ def group_advantages(rewards, group_size, scale_rewards="group", eps=1e-4, estim
 
 def groups_with_signal(advantages, group_size):
     """(Q,) True for a group with an advantage other than 0: one whose rewards differ (GRPO), or with a
-    kept completion (RAFT). The others add no policy gradient (with beta > 0 their KL term would still
+    best-rewarded completion above 0 (RAFT). The others add no policy gradient (with beta > 0 their KL term would still
     pull towards the reference): the trainers drop them."""
     return (advantages.view(-1, group_size) != 0).any(1)
 
@@ -131,7 +141,7 @@ def kl_estimate(logps, ref_logps, estimator="k3"):
     raise ValueError(f"unknown kl_estimator {estimator!r}: use 'k1', 'k2' or 'k3'")
 
 
-def importance_ratio(logps, old_logps, mask, level="token"):
+def importance_ratio(logps, old_logps, loss_mask, level="token"):
     """exp(logp - old_logp) per token (B, C), or, at level "sequence" (GSPO, Zheng et al. 2025),
     exp(mean over the sequence's tokens of (logp - old_logp)) (B, 1): one length-normalised ratio
     per sequence, so one odd token cannot swing its sequence's update."""
@@ -139,11 +149,11 @@ def importance_ratio(logps, old_logps, mask, level="token"):
     if level == "token":
         return torch.exp(log_ratio)
     if level == "sequence":
-        return torch.exp((log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1))
+        return torch.exp((log_ratio * loss_mask).sum(1, keepdim=True) / loss_mask.sum(1, keepdim=True).clamp(min=1))
     raise ValueError(f"unknown importance_sampling_level {level!r}: use 'token' or 'sequence'")
 
 
-def per_token_loss(logps, old_logps, ref_logps, advantages, beta, epsilon, epsilon_high, *, mask=None,
+def per_token_loss(logps, old_logps, ref_logps, advantages, beta, epsilon, epsilon_high, *, loss_mask=None,
                    loss_type="grpo", importance_sampling_level="token", kl_estimator="k3"):
     """The policy-gradient term plus beta * KL, per token, with the ratio and the KL: (B, C) each.
 
@@ -151,9 +161,9 @@ def per_token_loss(logps, old_logps, ref_logps, advantages, beta, epsilon, epsil
     cispo (MiniMax-M1): -sg(min(ratio, 1 + epsilon_high)) * A * logp: the importance weight is
                         capped and detached, so no token's gradient is ever clipped away."""
     A = advantages[:, None]
-    if mask is None:
-        mask = torch.ones_like(logps)
-    ratio = importance_ratio(logps, old_logps, mask, importance_sampling_level)
+    if loss_mask is None:
+        loss_mask = torch.ones_like(logps)
+    ratio = importance_ratio(logps, old_logps, loss_mask, importance_sampling_level)
     if loss_type == "cispo":
         per_token = -ratio.clamp(max=1 + epsilon_high).detach() * A * logps
     else:
@@ -168,7 +178,7 @@ def per_token_loss(logps, old_logps, ref_logps, advantages, beta, epsilon, epsil
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 
 
-def aggregate(per_token, mask, loss_type="grpo", max_completion_length=None):
+def aggregate(per_token, loss_mask, loss_type="grpo", max_completion_length=None):
     """One number from the per-token losses; the loss types differ in how tokens are weighted.
       grpo:         mean over each sequence's tokens, then over sequences (a token of a short
                     answer weighs more than one of a long answer)
@@ -176,40 +186,41 @@ def aggregate(per_token, mask, loss_type="grpo", max_completion_length=None):
       dr_grpo:      sum over all tokens / (sequences * max_completion_length) (a constant: no
                     length bias at all; Liu et al. 2025)"""
     if loss_type == "grpo":
-        return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+        return ((per_token * loss_mask).sum(1) / loss_mask.sum(1).clamp(min=1)).mean()
     if loss_type in ("bnpo", "dapo", "cispo"):
-        return (per_token * mask).sum() / mask.sum().clamp(min=1)
+        return (per_token * loss_mask).sum() / loss_mask.sum().clamp(min=1)
     if loss_type == "dr_grpo":
         if not max_completion_length:
             raise ValueError("loss_type dr_grpo needs max_completion_length")
-        return (per_token * mask).sum() / (mask.size(0) * max_completion_length)
+        return (per_token * loss_mask).sum() / (loss_mask.size(0) * max_completion_length)
     raise ValueError(f"unknown loss_type {loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
 
 
-def truncated_is_weight(old_logps, sampler_logps, cap):
-    """Truncated importance sampling (TIS; verl's tis_imp_ratio_cap, TRL's
-    vllm_importance_sampling_correction): a fast sampler (vLLM, bf16 kernels) does not compute the
-    trainer's numbers exactly, so the tokens were drawn from pi_sampler, not pi_old. Each token's
-    policy-gradient term is weighted by min(pi_old / pi_sampler, cap), detached: the mismatch is
-    corrected where it is small and bounded where it is large, and it never reaches the PPO clip,
-    which sees pi / pi_old alone."""
+def capped_is_weight(old_logps, sampler_logps, cap):
+    """Capped importance sampling (the literature's "truncated importance sampling", TIS; verl's
+    tis_imp_ratio_cap, TRL's vllm_importance_sampling_correction): a fast sampler (vLLM, bf16 kernels,
+    weights up to --max_policy_lag versions old) does not compute the trainer's numbers exactly, so the
+    tokens were drawn from pi_sampler, not pi_old. Each token's policy-gradient term is weighted by
+    min(pi_old / pi_sampler, cap), detached: the mismatch is corrected where it is small and bounded
+    where it is large, and it never reaches the PPO clip, which sees pi / pi_old alone."""
     return torch.exp(old_logps - sampler_logps).clamp(max=cap).detach()
 
 
-def grpo_loss(logps, old_logps, ref_logps, advantages, completion_mask, *, beta=0.04, epsilon=0.2,
+def grpo_loss(logps, old_logps, ref_logps, advantages, loss_mask, *, beta=0.04, epsilon=0.2,
               epsilon_high=None, loss_type="grpo", importance_sampling_level="token", kl_estimator="k3",
               max_completion_length=None, impl="torch", sampler_logps=None, tis_cap=2.0):
     """The GRPO loss and its diagnostics. Shapes: (B, C) except advantages (B,).
 
-    Argument names follow TRL's GRPOConfig. old_logps are the log-probs under the policy
-    that sampled the tokens (logps.detach() when that policy is the current one: ratio 1,
-    gradient -A * grad logp). ref_logps may be None when beta == 0. impl="triton" computes the
-    per-token loss in one fused kernel (triton_loss/) with the same numbers; the kernel has the
-    clipped token-level loss with k3, and the other options take the torch path. sampler_logps:
-    the log-probs the sampler reported, when another engine sampled (vLLM); then each token's
-    policy-gradient term is weighted by truncated_is_weight(old_logps, sampler_logps, tis_cap)."""
+    Option names follow TRL's GRPOConfig; loss_mask (TRL's completion_mask) is 1 for the tokens the loss
+    counts (grpo_math.completion_mask). old_logps are pi_old, the ratio's denominator: the trainer's own
+    log-probs before this batch's first update (logps.detach() at the first iteration: ratio 1, gradient
+    -A * grad logp), or, when the trainer's own policy did not sample (grpo_vllm_one.py with --tis_cap 0),
+    the sampler's. ref_logps may be None when beta == 0. impl="triton" computes the per-token loss in one
+    fused kernel (triton_loss/) with the same numbers; the kernel has the clipped token-level loss with
+    k3, and the other options take the torch path. sampler_logps: the log-probs the sampler reported,
+    when another engine sampled (vLLM); then each token's policy-gradient term is weighted by
+    capped_is_weight(old_logps, sampler_logps, tis_cap)."""
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
-    mask = completion_mask
     options = {"loss_type": loss_type, "importance_sampling_level": importance_sampling_level,
                "kl_estimator": kl_estimator}
     if impl == "triton" and loss_type != "cispo" and importance_sampling_level == "token" and kl_estimator == "k3":
@@ -218,33 +229,34 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, completion_mask, *, beta=
                                                      epsilon_high)
     else:
         per_token, ratio, kl = per_token_loss(logps, old_logps, ref_logps, advantages, beta, epsilon,
-                                              epsilon_high, mask=mask, **options)
+                                              epsilon_high, loss_mask=loss_mask, **options)
     if sampler_logps is not None:
-        is_weight = truncated_is_weight(old_logps, sampler_logps, tis_cap)
+        is_weight = capped_is_weight(old_logps, sampler_logps, tis_cap)
         per_token = is_weight * (per_token - beta * kl) + beta * kl  # the KL term is the trainer's own
-    loss = aggregate(per_token, mask, loss_type, max_completion_length)
+    loss = aggregate(per_token, loss_mask, loss_type, max_completion_length)
 
     with torch.no_grad():
-        A, n = advantages[:, None], mask.sum().clamp(min=1)
+        A, n = advantages[:, None], loss_mask.sum().clamp(min=1)
         # tokens whose gradient the clip removed, below 1 - epsilon (A < 0) and above 1 + epsilon_high (A > 0);
         # cispo caps the weight of every token above 1 + epsilon_high, whatever its advantage
         high = ratio > 1 + epsilon_high
         clipped_low = (ratio < 1 - epsilon) & (A < 0) if loss_type != "cispo" else torch.zeros_like(high)
         clipped_high = high if loss_type == "cispo" else high & (A > 0)
-        on = mask.bool()
-        stats = {"kl": ((kl * mask).sum() / n).item(),
-                 "clip_fraction": (((clipped_low | clipped_high).float() * mask).sum() / n).item(),
-                 "clip_low_frac": ((clipped_low.float() * mask).sum() / n).item(),
-                 "clip_high_frac": ((clipped_high.float() * mask).sum() / n).item(),
-                 "ratio_mean": ((ratio * mask).sum() / n).item(),
+        on = loss_mask.bool()
+        stats = {"kl": ((kl * loss_mask).sum() / n).item(),
+                 "clip_fraction": (((clipped_low | clipped_high).float() * loss_mask).sum() / n).item(),
+                 "clip_low_frac": ((clipped_low.float() * loss_mask).sum() / n).item(),
+                 "clip_high_frac": ((clipped_high.float() * loss_mask).sum() / n).item(),
+                 "ratio_mean": ((ratio * loss_mask).sum() / n).item(),
                  "ratio_min": ratio[on].min().item() if on.any() else 1.0,
                  "ratio_max": ratio[on].max().item() if on.any() else 1.0}
         if sampler_logps is not None:  # how far the sampler's numbers are from the trainer's (policy lag included)
             gap = (old_logps - sampler_logps).abs()
-            stats.update(sampler_gap_mean=((gap * mask).sum() / n).item(),
+            stats.update(sampler_gap_mean=((gap * loss_mask).sum() / n).item(),
                          sampler_gap_max=gap[on].max().item() if on.any() else 0.0,
-                         is_weight_mean=((is_weight * mask).sum() / n).item(),
+                         is_weight_mean=((is_weight * loss_mask).sum() / n).item(),
                          is_weight_min=is_weight[on].min().item() if on.any() else 1.0,
                          is_weight_max=is_weight[on].max().item() if on.any() else 1.0,
-                         is_truncated_frac=(((is_weight >= tis_cap).float() * mask).sum() / n).item())
+                         # the share of tokens whose weight the cap holds (the logged name is TIS's)
+                         is_truncated_frac=(((is_weight >= tis_cap).float() * loss_mask).sum() / n).item())
     return loss, stats

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from simple_grpo.trainer.deepspeed_config import deepspeed_config
-from grpo_math import grpo_loss, truncated_is_weight
+from grpo_math import capped_is_weight, grpo_loss
 from simple_grpo.logprobs import sequence_logps
 from grpo_train import Config
 
@@ -25,7 +25,7 @@ def random_batch(B=4, C=6, seed=0):
 def test_tis_weight_is_the_trainer_to_sampler_ratio_capped_and_detached():
     old = torch.tensor([[-1.0, -1.0, -1.0]])
     sampler = torch.tensor([[-1.0, -1.5, -4.0]])  # equal, a little lower, far lower
-    w = truncated_is_weight(old, sampler, cap=2.0)
+    w = capped_is_weight(old, sampler, cap=2.0)
     assert torch.allclose(w, torch.tensor([[1.0, float(torch.exp(torch.tensor(0.5))), 2.0]]))
     assert not w.requires_grad
 

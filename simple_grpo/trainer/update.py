@@ -24,7 +24,9 @@ def optimizer_step(engine, loss):
     """One optimizer step on the gradients backward left, unless they or the loss hold a NaN or inf: one
     such update would reach every weight through Adam's moments, so it is dropped. ZeRO 0 leaves the
     gradients whole on the parameters, where we check them; ZeRO 1-3 check them in step() themselves.
-    Returns the gradients' norm (None under ZeRO 1-3) and whether the step was taken."""
+    engine.step() clips the gradients' global 2-norm to 1.0, takes one AdamW step and zeroes the gradients
+    (the settings: trainer/deepspeed_config.py). Returns the gradients' norm before clipping (None under
+    ZeRO 1-3) and whether the step was taken."""
     norm = grad_norm(engine)
     if norm is not None and not (math.isfinite(norm) and math.isfinite(loss)):
         engine.optimizer.zero_grad(set_to_none=True)
@@ -70,8 +72,8 @@ def grpo_update(engine, batch, cfg, stop_ids, weight=1.0):
 
     old_logps, the old policy's log-probs in the ratio, are the trainer's own from the first iteration
     (ratio 1 there). vLLM sampled the batch (batch["sampler_logps"]: its log-probs, of an older policy
-    in another precision): its numbers weight each token by truncated importance sampling (cfg.tis_cap;
-    grpo_math.truncated_is_weight), or, with tis_cap 0, stand in for old_logps. num_iterations > 1
+    in another precision): its numbers weight each token by capped importance sampling (cfg.tis_cap;
+    grpo_math.capped_is_weight), or, with tis_cap 0, stand in for old_logps. num_iterations > 1
     takes several steps on the same rollouts (PPO's epochs): from the second on, the ratio moves off 1
     and the clip bounds the update. With micro_batch_groups, forward and backward go a few groups at a
     time and the gradients add up to the whole batch's, for one optimizer step. weight 0: take part in
@@ -81,7 +83,7 @@ def grpo_update(engine, batch, cfg, stop_ids, weight=1.0):
     # (--gradient_checkpointing) and dropout (--disable_dropout false) act only in training mode
     engine.train()
     batch = {k: v.to(engine.device) for k, v in batch.items()}
-    mask = completion_mask(batch["completion_ids"], stop_ids, cfg.mask_truncated_completions)  # (B, C)
+    loss_mask = completion_mask(batch["completion_ids"], stop_ids, cfg.mask_truncated_completions)  # (B, C)
     Q, G, parts = micro_batches(batch, cfg)
     # every rank runs as many forward/backward passes as the rank with the most parts: ZeRO-2 reduces the
     # gradients in each backward and ZeRO-3 gathers the weights in each forward and backward, and ranks
@@ -109,21 +111,21 @@ def grpo_update(engine, batch, cfg, stop_ids, weight=1.0):
             ref = batch["ref_logps"][rows] if "ref_logps" in batch else None  # (b, C); None with beta 0
             part_loss, part_stats = grpo_loss(
                 logps, logps.detach() if old_logps is None else old_logps[rows], ref, batch["advantages"][rows],
-                mask[rows], sampler_logps=None if sampler_logps is None else sampler_logps[rows], tis_cap=tis_cap,
+                loss_mask[rows], sampler_logps=None if sampler_logps is None else sampler_logps[rows], tis_cap=tis_cap,
                 **loss_options(cfg))
             # the part's share of the batch's loss, so the parts' gradients add up to the whole batch's: its
             # tokens' share where the loss is a mean over all tokens, its sequences' share where it is a mean
             # over sequences; times weight (0 on a rank with no signal: it joins the step, adds no gradient)
-            token_share = (mask[rows].sum() / mask.sum().clamp(min=1)).item()
+            token_share = (loss_mask[rows].sum() / loss_mask.sum().clamp(min=1)).item()
             share = weight * (token_share if token_mean else (q1 - q0) / Q)
             engine.backward(part_loss * share)
             loss += part_loss.item() * share
             add_part_stats(stats, part_stats, token_share)  # the diagnostics are token means: weighted by tokens
-            entropy += (part_entropy * mask[rows]).sum().item()
+            entropy += (part_entropy * loss_mask[rows]).sum().item()
         old_logps = torch.cat(new_logps) if old_logps is None else old_logps  # (B, C)
         norm, stepped = optimizer_step(engine, loss)
         skipped += not stepped
-    stats["loss"], stats["entropy"] = loss, entropy / mask.sum().clamp(min=1).item()
-    stats["tokens"] = int(mask.sum())  # completion tokens trained on
+    stats["loss"], stats["entropy"] = loss, entropy / loss_mask.sum().clamp(min=1).item()
+    stats["tokens"] = int(loss_mask.sum())  # completion tokens trained on
     stats.update(step_stats(engine, norm, skipped, cfg.num_iterations))
     return stats, torch.cat(new_logps)
