@@ -15,7 +15,7 @@ simple_grpo/task/rewards.py, the same code training uses, and the script prints 
 --json it also prints one last line {"accuracy": a, "format_rate": f, "n": n, ...}. Accuracy is the
 mean of --accuracy_reward: correctness (the <answer> tags), or answer_is for a model never taught them
 ("The answer is 42.").
-accuracy_strict is the share whose <answer> text is a plain integer equal to the reference ("50", "1,000";
+accuracy_strict is the share whose <answer> text is a plain integer equal to the true answer ("50", "1,000";
 not "21+29", "50.0" or "$50", which math-verify accepts): strict_integer_correct in rewards.py.
 With K samples per problem at T > 0 the rates are over all n*K samples and pass@k is
 the fraction of problems with at least one correct sample.

@@ -8,7 +8,7 @@ import os
 import torch
 from tqdm import tqdm
 
-from simple_grpo.task.rewards import reference_answer, score, strict_integer_correct
+from simple_grpo.task.rewards import score, strict_integer_correct, true_answer
 
 
 def hf_generate(model, tokenizer, prompts, *, samples=1, temperature=0.0, max_new_tokens=64,
@@ -64,7 +64,7 @@ def _regroup(flat, k):
 
 def _scores(completion, answer, accuracy_reward):
     """score()'s breakdown (correctness, format, reward) with accuracy_reward's value in it too, then strict:
-    the tagged answer is a plain integer equal to the reference (strict_integer_correct). An unknown
+    the tagged answer is a plain integer equal to the true answer (strict_integer_correct). An unknown
     name is score()'s error, naming the known ones."""
     scores = score(completion, answer, report=("correctness", "format", accuracy_reward))
     scores["strict"] = strict_integer_correct(completion, answer)
@@ -75,7 +75,7 @@ def summarize(problems, completions, lengths, accuracy_reward="correctness"):
     """Rates over all completions: accuracy (the mean of accuracy_reward: correctness, or answer_is for a
     model that states its answer in its own words), accuracy_strict (the mean of strict: a plain integer in the
     <answer> tags, whatever accuracy_reward is), format_rate, pass_at_k and more."""
-    scores = [[_scores(c, reference_answer(p["answer"]), accuracy_reward) for c in cs]
+    scores = [[_scores(c, true_answer(p["answer"]), accuracy_reward) for c in cs]
               for p, cs in zip(problems, completions)]
     flat = [s for row in scores for s in row]
     in_format = [s for s in flat if s["format"] == 1.0]
@@ -93,13 +93,13 @@ def summarize(problems, completions, lengths, accuracy_reward="correctness"):
 
 
 def write_details(path, problems, completions, accuracy_reward="correctness"):
-    """One line per problem: its question, reference answer, completions and their scores (accuracy_reward's
+    """One line per problem: its question, true answer, completions and their scores (accuracy_reward's
     among them: paired_gain(..., key=accuracy_reward) compares two models by it; key="strict" by the strict
     integer score)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         for p, cs in zip(problems, completions):
-            answer = reference_answer(p["answer"])
+            answer = true_answer(p["answer"])
             f.write(json.dumps({"question": p["question"], "answer": answer, "completions": cs,
                                 "scores": [_scores(c, answer, accuracy_reward) for c in cs]}) + "\n")
 

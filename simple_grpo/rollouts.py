@@ -6,12 +6,12 @@ Shapes: Q prompts, G completions each (Q*G rows, group after group), P prompt an
 import torch
 
 from grpo_math import group_advantages, groups_with_signal
-from simple_grpo.task.rewards import reference_answer, score
+from simple_grpo.task.rewards import score, true_answer
 
 
 def score_groups(completions, problems, G, weights):
     """rewards (Q*G,) and the per-completion scores, for completions grouped by problem."""
-    scores = [score(text, reference_answer(problems[i // G]["answer"]), weights)
+    scores = [score(text, true_answer(problems[i // G]["answer"]), weights)
               for i, text in enumerate(completions)]
     return torch.tensor([s["reward"] for s in scores]), scores
 

@@ -11,7 +11,7 @@ from simple_grpo.task.rewards import reward_function
 
 @reward_function("mentions_answer")
 def mentions_answer(completion, answer):
-    """answer: the reference number, as the training rewards get it."""
+    """answer: the true answer, as the training rewards get it."""
     return float(answer in re.findall(r"-?\d+", completion.replace(",", "")))
 
 

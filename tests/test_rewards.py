@@ -3,19 +3,19 @@ answer_is (correctness in the model's own "The answer is N.")."""
 import pytest
 import torch
 
-from simple_grpo.task.rewards import correctness_reward, extract_answer, format_reward, reference_answer, score
+from simple_grpo.task.rewards import correctness_reward, extract_answer, format_reward, score, true_answer
 
 GOOD = "<think>12+7=19\n19-5=14</think><answer>14</answer>"
 
 
-def test_reference_answer_is_the_text_after_hashes():
-    assert reference_answer("She buys 7: 12+7=<<12+7=19>>19\n#### 19") == "19"
-    assert reference_answer("...\n#### 1,000") == "1000"
+def test_true_answer_is_the_text_after_hashes():
+    assert true_answer("She buys 7: 12+7=<<12+7=19>>19\n#### 19") == "19"
+    assert true_answer("...\n#### 1,000") == "1000"
 
 
-def test_reference_answer_without_hashes_is_an_error():
+def test_true_answer_without_hashes_is_an_error():
     with pytest.raises(ValueError, match="####"):
-        reference_answer("the answer is 4")
+        true_answer("the answer is 4")
 
 
 @pytest.mark.parametrize("predicted, gold", [
@@ -286,7 +286,7 @@ def test_an_expression_is_correct_for_math_verify_but_not_strict():
     ("50", "50"), (" 50 ", "50"), ("\n50\n", "50"), ("-7", "-7"), ("1,000", "1000"),
     ("1000", "1000"), ("1,234,567", "1234567"), ("050", "50"),
 ])
-def test_a_plain_integer_equal_to_the_reference_is_strict_correct(predicted, gold):
+def test_a_plain_integer_equal_to_the_true_answer_is_strict_correct(predicted, gold):
     assert strict_integer_correct(f"<think>x</think><answer>{predicted}</answer>", gold) == 1.0
 
 
@@ -307,7 +307,7 @@ def test_strict_reads_the_last_tagged_answer_and_needs_one():
     assert strict_integer_correct("<answer>-50</answer>", "50") == 0.0
 
 
-def test_a_reference_that_is_no_integer_is_strict_correct_for_nothing():
+def test_a_true_answer_that_is_no_integer_is_strict_correct_for_nothing():
     assert strict_integer_correct("<answer>3.5</answer>", "3.5") == 0.0
     assert correctness_reward("<answer>3.5</answer>", "3.5") == 1.0
 

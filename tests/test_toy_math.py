@@ -6,7 +6,7 @@ import re
 import pytest
 
 from simple_grpo.task.problems import load_jsonl
-from simple_grpo.task.rewards import reference_answer
+from simple_grpo.task.rewards import true_answer
 from tools.toy_math import make_problem, make_splits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +49,7 @@ def test_answers_are_right_and_in_gsm8k_format():
             assert a == value
             value = {"+": a + b, "-": a - b, "*": a * b, "/": a // b}[op]
             assert r == value and (op != "/" or a % b == 0)
-        assert p["answer"].endswith(f"\n#### {value}") and reference_answer(p["answer"]) == str(value)
+        assert p["answer"].endswith(f"\n#### {value}") and true_answer(p["answer"]) == str(value)
 
 
 def test_committed_splits_are_the_generators_output():

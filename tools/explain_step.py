@@ -54,7 +54,7 @@ def main(cfg):
 
     print(f"1. THE PROMPT ({'chat template applied' if cfg.prompt_format == 'chat' else 'raw text'})\n")
     prompt = make_prompt(tokenizer, problem["question"], cfg.prompt_format, cfg.system_prompt)
-    print(prompt, f"\n(reference answer: {problem['answer'].split('####')[-1].strip()})\n")
+    print(prompt, f"\n(true answer: {problem['answer'].split('####')[-1].strip()})\n")
 
     print(f"2. G = {G} COMPLETIONS, sampled at temperature {cfg.temperature}, and their rewards\n")
     prompt_ids, prompt_mask, completion_ids = generate(policy, tokenizer, [prompt], cfg, stop_ids)

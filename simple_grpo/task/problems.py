@@ -10,7 +10,7 @@ import csv
 import json
 import os
 
-from simple_grpo.task.rewards import reference_answer
+from simple_grpo.task.rewards import true_answer
 
 # The system prompt of the R1-Zero-style GSM8K recipe (as in lsdefine/simple_GRPO).
 SYSTEM_PROMPT = ("A conversation between User and Assistant. The user asks a question, and the "
@@ -97,7 +97,7 @@ def _problems(rows, source, question_field, answer_field):
             if not isinstance(value, str) or not value.strip():
                 raise ValueError(f"{source}, {where}: field {field!r} must be non-empty text, got {value!r}")
         try:
-            reference_answer(answer)  # the correctness reward needs GSM8K's '#### N' line
+            true_answer(answer)  # the correctness reward needs GSM8K's '#### N' line
         except ValueError as e:
             raise ValueError(f"{source}, {where}: {e}") from None
         rest = {k: v for k, v in row.items() if k not in (question_field, answer_field)}

@@ -5,21 +5,21 @@ thing everywhere. A completion is the model's decoded text after the prompt:
 
     <think> 12+7=19 ... </think><answer>14</answer>
 
-- correctness: the text inside the last <answer>...</answer> equals the reference answer
+- correctness: the text inside the last <answer>...</answer> equals the true answer
   (the part after `####` in GSM8K's format), checked by math-verify, so "1,000" = 1000,
   "3.50" = 3.5 and "7/2" = 3.5. No answer tags, no credit.
 - format: <think>...</think> then <answer>...</answer>, each tag exactly once, nothing
   but whitespace around them.
 - answer_is: correctness in a model's own words, for a model never taught the tags: the first
   number after the last "answer is" ("The answer is 42.", "**The final answer is: $1,000**")
-  equals the reference answer, checked as correctness checks it. No such number, no credit.
+  equals the true answer, checked as correctness checks it. No such number, no credit.
 - strict (not a reward: evaluation reports it beside correctness as accuracy_strict): the text inside the
   last <answer>...</answer> is a plain integer, "50", "-3" or "1,000" (commas only between groups of 3
-  digits), equal to the reference. "21+29", "50.0", "$50" and "50 apples", which math-verify accepts as
+  digits), equal to the true answer. "21+29", "50.0", "$50" and "50 apples", which math-verify accepts as
   50, are not; nor is "+7", which math-verify refuses too.
 
 Every reward function is `fn(completion: str, answer: str) -> float`, `answer` being the
-reference answer ("1000" for "... #### 1,000"). Add one in a file of your own:
+true answer ("1000" for "... #### 1,000"). Add one in a file of your own:
 
     from simple_grpo.task.rewards import reward_function
 
@@ -63,7 +63,7 @@ def reward_function(name):
     return lambda fn: register(fn, name)
 
 
-def reference_answer(gsm8k_answer: str) -> str:
+def true_answer(gsm8k_answer: str) -> str:
     """'...\\n#### 1,234' -> '1234': GSM8K puts the final answer after '####'."""
     if "####" not in gsm8k_answer:
         raise ValueError(f"answer has no '####' line: {gsm8k_answer[-80:]!r}")
@@ -114,7 +114,7 @@ def answer_is_reward(completion: str, answer: str) -> float:
 
 def strict_integer_correct(completion: str, answer: str) -> float:
     """1.0 when the tagged answer (extract_answer's, stripped) is a plain integer (INTEGER_RE) equal to
-    `answer`, else 0.0; a reference that is not itself such an integer gets 0.0 from every completion."""
+    `answer`, else 0.0; a true answer that is not itself such an integer gets 0.0 from every completion."""
     predicted = extract_answer(completion)
     if predicted is None or not INTEGER_RE.fullmatch(predicted) or not INTEGER_RE.fullmatch(answer.strip()):
         return 0.0

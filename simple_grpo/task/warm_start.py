@@ -9,7 +9,7 @@ import re
 
 import torch
 
-from simple_grpo.task.rewards import reference_answer
+from simple_grpo.task.rewards import true_answer
 
 
 def solution_steps(gsm8k_answer):
@@ -21,7 +21,7 @@ def solution_steps(gsm8k_answer):
 def sft_target(problem, rng, in_format_share):
     """One supervised completion: in format with probability in_format_share, else one of
     three out-of-format styles (so format is learnable by RL, and greedy stays in format)."""
-    steps, answer = solution_steps(problem["answer"]), reference_answer(problem["answer"])
+    steps, answer = solution_steps(problem["answer"]), true_answer(problem["answer"])
     u = rng.random()
     if u < in_format_share:
         return f"<think>{steps}</think><answer>{answer}</answer>"
