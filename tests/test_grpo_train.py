@@ -5,10 +5,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.test_ref_server import server  # noqa: F401 - the live server fixture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "models", "tiny-math")
 
 
 def test_importing_grpo_train_starts_nothing_and_its_update_takes_the_loss_from_grpo_math():
@@ -26,6 +28,26 @@ def test_what_only_the_fast_trainer_has_stops_naming_it(flags, env, named):
     out = subprocess.run([sys.executable, "grpo_train.py", "--steps", "1", "--run_name", "test_fast_only", *flags],
                          cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, **env})
     assert out.returncode != 0 and named in out.stderr and "grpo_vllm_one.py" in out.stderr, out.stderr[-2000:]
+
+
+def test_the_sampler_draws_from_the_temperature_softmax_whatever_the_models_generation_config_says():
+    """hf_sampler.generate samples from softmax(logits / T), the distribution grpo_math.completion_logps
+    computes: a repetition penalty and a top-k in the model's generation_config change no token."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from simple_grpo.generation.hf_sampler import generate
+    from simple_grpo.task.config import TaskConfig, load_data
+    from simple_grpo.task.problems import make_prompt, stop_token_ids
+    cfg = TaskConfig(model=TINY, num_generations=4, max_new_tokens=24)
+    tokenizer, model = AutoTokenizer.from_pretrained(TINY), AutoModelForCausalLM.from_pretrained(TINY)
+    prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format, cfg.system_prompt) for p in load_data(cfg)[:2]]
+    sampled = []
+    for penalty, top_k in ((None, None), (3.0, 5)):  # the tiny model's own config sets neither
+        model.generation_config.repetition_penalty, model.generation_config.top_k = penalty, top_k
+        torch.manual_seed(0)
+        sampled.append(generate(model, tokenizer, prompts, cfg, stop_token_ids(tokenizer, cfg.prompt_format))[2])
+    assert torch.equal(*sampled)
+    assert model.generation_config.repetition_penalty == 3.0  # the model's own config is left as it was
 
 
 def test_without_a_ref_server_the_trainer_says_so():

@@ -34,7 +34,9 @@ class TaskConfig(DataConfig):
     num_generations: int = flag(8, "completions per problem: the group size G")
     max_new_tokens: int = flag(48, "the longest completion, in tokens")
     min_new_tokens: int = flag(0, "no stop token before this many tokens (benchmarks at a fixed length)")
-    temperature: float = flag(0.7, "sampling temperature; the log-probs are of the same distribution")
+    temperature: float = flag(0.7, "sampling temperature: tokens come from softmax(logits / T), no top-k, top-p or "
+                                   "penalty (the model's generation_config is not applied), and the log-probs are "
+                                   "computed at the same T")
     seed: int = flag(0, "seed of the problem draws and the sampling")
 
 
