@@ -124,8 +124,7 @@ def main(cfg: Config):
             if uses_ref_server(cfg):
                 meta = {"run_id": run_id, "policy_version": step, "temperature": cfg.temperature}
                 ref_logps = reference_logps_from_server(cfg, run_id, prompt_ids, prompt_mask, completion_ids, mask,
-                                                        rewards.to(mask.device)[keep], advantages, meta,
-                                                        waiting)  # (b, C)
+                                                        meta, waiting)  # (b, C)
                 bar.set_description_str("grpo")
             elif cfg.beta != 0:  # --use_peft: the reference is our own base model, its adapters off
                 engine.eval()  # the reference as the ref server computes it: evaluation mode, no dropout

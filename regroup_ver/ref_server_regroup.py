@@ -150,9 +150,10 @@ def make_app(model, tokenizer, cfg: RegroupConfig):
     @app.post("/upload")
     def upload():
         _, tensors, meta = read_rollout(cfg, model.config, stats)
-        if "sampler_logps" not in tensors or tensors["completion_ids"].size(0) > cfg.pool_size:
+        pooled = "rewards" in tensors and "sampler_logps" in tensors  # optional on the wire, needed to pool
+        if not pooled or tensors["completion_ids"].size(0) > cfg.pool_size:
             stats["rejected"] += 1
-            return answer(400, f"regroup uploads need sampler_logps (behaviour log-probs) and at most "
+            return answer(400, f"regroup uploads need rewards, sampler_logps (behaviour log-probs) and at most "
                                f"{cfg.pool_size} completions")
         with lock:
             if todo.qsize() + done.qsize() >= cfg.max_ready:  # trainers are behind: generators wait

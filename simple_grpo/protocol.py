@@ -19,8 +19,10 @@ VERSION = 2  # 2: vLLM's log-probs travel as sampler_logps (1 called them old_lo
 TOKEN_ENV = "SIMPLE_GRPO_TOKEN"  # the shared secret, when the server listens beyond loopback
 DEFAULT_PORT = 59875
 DEFAULT_REF_URL = f"http://127.0.0.1:{DEFAULT_PORT}"  # where `python ref_server.py` listens
-ROLLOUT_TENSORS = {"prompt_ids": 1, "completion_ids": 2, "rewards": 1, "advantages": 1}  # name: ndim
-OPTIONAL_TENSORS = {"sampler_logps": 2}
+ROLLOUT_TENSORS = {"prompt_ids": 1, "completion_ids": 2}  # name: ndim; all the reference model reads
+# what a generator's group carries on to the trainer that takes it (grpo_vllm_one.py: the server is its queue;
+# regroup_ver/'s server pools answers by reward); grpo_train.py keeps its own and sends only the tokens
+OPTIONAL_TENSORS = {"rewards": 1, "advantages": 1, "sampler_logps": 2}
 
 
 def encode(tensors: dict, meta: dict) -> bytes:
@@ -50,7 +52,7 @@ def decode(body: bytes):
 def check_rollout(tensors, meta, vocab_size, max_len, max_group_size):
     """Raise ValueError naming the problem unless this is a well-formed group of rollouts:
     prompt_ids (P,) and completion_ids (G, C) int64 in the vocabulary, P + C <= max_len,
-    rewards and advantages (G,) finite floats, optional sampler_logps (G, C) finite floats,
+    optional rewards and advantages (G,) and sampler_logps (G, C), finite floats,
     meta with an integer policy_version and a positive finite temperature."""
     unknown = set(tensors) - set(ROLLOUT_TENSORS) - set(OPTIONAL_TENSORS)
     if unknown:
@@ -171,18 +173,19 @@ def take_group(cfg, run_id, timeout, waiting=None, policy_version=None):
                              f"is it still working? (see its log)")
 
 
-def reference_logps_from_server(cfg, run_id, prompt_ids, prompt_mask, completion_ids, mask, rewards, advantages,
-                                meta, waiting=None):
-    """The reference model's per-token log-probs of a batch's completions, (Q*G, C), from the ref server.
-    Each prompt's group goes as one upload (the prompt without its padding, the completions cut after the
-    group's longest, mask (Q*G, C) saying where each ends); the server's one worker answers them first in,
-    first out, and the answers are padded back to (Q*G, C) with 0. waiting(group, waited_s) runs while it waits."""
+def reference_logps_from_server(cfg, run_id, prompt_ids, prompt_mask, completion_ids, until_stop, meta, waiting=None):
+    """The reference model's per-token log-probs of a batch's completions, (Q*G, C), from the ref server:
+    the same numbers as grpo_math.completion_logps of the frozen reference model in evaluation mode, in
+    the server's --dtype (tests/test_ref_server.py). Each prompt's group goes as one upload (the prompt
+    without its padding, the completions cut after the group's longest: until_stop (Q*G, C) is 1 up to
+    each one's first stop token); then the Q answers are taken back, first in, first out (one poll each),
+    and padded back to (Q*G, C) with 0. waiting(group, waited_s) runs while it waits."""
     Q, G = prompt_ids.size(0), completion_ids.size(0) // prompt_ids.size(0)
     groups = []
     for q in range(Q):
-        rows, C = slice(q * G, (q + 1) * G), int(mask[q * G:(q + 1) * G].sum(1).max())
-        groups.append(({"prompt_ids": prompt_ids[q][prompt_mask[q].bool()], "completion_ids": completion_ids[rows, :C],
-                        "rewards": rewards[rows].float(), "advantages": advantages[rows].float()}, meta))
+        rows, C = slice(q * G, (q + 1) * G), int(until_stop[q * G:(q + 1) * G].sum(1).max())
+        groups.append(({"prompt_ids": prompt_ids[q][prompt_mask[q].bool()], "completion_ids": completion_ids[rows, :C]},
+                       meta))
     post_groups(cfg, groups)
     ref_logps = torch.zeros(completion_ids.shape)
     for q, (sent, _) in enumerate(groups):

@@ -1,4 +1,5 @@
-"""ref_server.py, live on loopback: reference log-probs equal a transformers forward; /get is FIFO."""
+"""ref_server.py, live on loopback: reference log-probs equal a transformers forward and grpo_math.completion_logps;
+/get is FIFO."""
 import os
 
 import pytest
@@ -6,6 +7,7 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM
 
+from grpo_math import completion_logps
 from simple_grpo.protocol import decode, encode
 from simple_grpo.run.launch import free_port, start_ref_server
 
@@ -58,6 +60,24 @@ def test_ref_logps_equal_a_direct_transformers_forward(server):
     assert back["ref_logps"].shape == (4, 7)
     assert torch.allclose(back["ref_logps"], expected, atol=1e-5)
     assert torch.equal(back["completion_ids"], tensors["completion_ids"])
+
+
+def test_ref_logps_equal_grpo_math_completion_logps_of_the_reference_model(server):
+    """What grpo_train.py's `# GRPO 3.` takes from the server, for an upload of the tokens alone: the
+    log-probs grpo_math.completion_logps gives for the frozen reference model in evaluation mode, at the
+    sampling temperature (the server runs simple_grpo/logprobs.py's sequence_logps: the prompt once)."""
+    g = torch.Generator().manual_seed(7)
+    tokens = {"prompt_ids": torch.randint(3, 500, (9,), generator=g),
+              "completion_ids": torch.randint(3, 500, (4, 7), generator=g)}
+    r = requests.post(server + "/upload", data=encode(tokens, {"policy_version": 0, "temperature": 0.7}), timeout=30)
+    assert r.status_code == 200
+    back, _ = take(server)
+    reference = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected, _ = completion_logps(reference, tokens["prompt_ids"][None], torch.ones(1, 9, dtype=torch.long),
+                                       tokens["completion_ids"], temperature=0.7)  # (4, 7)
+    assert torch.equal(back["completion_ids"], tokens["completion_ids"]) and set(back) == {*tokens, "ref_logps"}
+    assert torch.allclose(back["ref_logps"], expected, atol=1e-5)
 
 
 def test_get_is_first_in_first_out(server):

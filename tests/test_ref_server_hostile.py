@@ -109,7 +109,7 @@ def hostile_bodies(rng):
     for i in range(150):  # missing or unexpected tensors
         t, m = valid_group(i)
         if i % 2:
-            del t[rng.choice(["prompt_ids", "completion_ids", "rewards", "advantages"])]
+            del t[rng.choice(["prompt_ids", "completion_ids"])]  # rewards, advantages, sampler_logps are optional
         else:
             t["weights"] = torch.zeros(3)
         bodies.append(("fields", encode(t, m)))

@@ -115,10 +115,11 @@ def test_live_server_serves_mixed_fresh_groups_with_reference_logps(regroup_serv
     assert tensors["ref_logps"].shape == tensors["completion_ids"].shape and torch.isfinite(tensors["ref_logps"]).all()
     stats = requests.get(url + "/stats", timeout=5).json()
     assert stats["answers_evicted"] == 4 and stats["groups_formed"] == 1
-    # without behaviour log-probs an upload cannot be pooled
-    tensors, meta = upload(12, [0.5, 1.5, 0.5, 1.5], 5, 200)
-    del tensors["sampler_logps"]
-    assert post(url, tensors, meta).status_code == 400
+    # without behaviour log-probs or rewards (optional on the wire) an upload cannot be pooled
+    for needed in ("sampler_logps", "rewards"):
+        tensors, meta = upload(12, [0.5, 1.5, 0.5, 1.5], 5, 200)
+        del tensors[needed]
+        assert post(url, tensors, meta).status_code == 400
     # trainers behind: once max_ready groups wait, uploads get 503
     codes = [post(url, *upload(20 + i, [0.5, 1.5, 0.5, 1.5], 5, 300 + 10 * i)).status_code for i in range(6)]
     assert codes[:3] == [200] * 3 and 503 in codes[3:]
