@@ -1,6 +1,7 @@
-"""grpo_train.py: the simplest complete GRPO trainer, one whole step in this file and grpo_math.py. One process
-samples with the policy itself and trains it; what only makes a step faster or bigger (several ranks,
---micro_batch_groups, the shared-prompt log-prob path, --loss_impl triton) is grpo_vllm_one.py's.
+"""grpo_train.py: the simplest complete GRPO trainer. One process samples with the policy itself and trains
+it; the loop below is one GRPO step, written out, and the math is grpo_math.py. Several ranks,
+--micro_batch_groups, the shared-prompt log-prob path for the policy's own log-probs (simple_grpo/logprobs.py)
+and --loss_impl triton are grpo_vllm_one.py's: here the policy's log-probs are one plain forward.
 
     python ref_server.py &          # the frozen reference model, 127.0.0.1:59875
     python grpo_train.py            # tiny default model and toy task, on CPU
@@ -8,17 +9,22 @@ samples with the policy itself and trains it; what only makes a step faster or b
     python grpo_train.py --beta 0           # no KL term: no reference server at all
     python grpo_train.py --use_peft         # LoRA adapters; the base, adapters off, is the reference: no server
 
-Every step, in order (the lines marked `# GRPO n.` below; the rest is plumbing from simple_grpo/):
-  1. sample `batch_prompts` problems and generate `num_generations` completions for each with the
-     policy itself (transformers generate, simple_grpo/generation/hf_sampler.py);
-  2. score them (simple_grpo/task/rewards.py) and form group-relative advantages; keep the groups whose
-     rewards differ (in the others every advantage is 0: with beta > 0 their KL term would still pull
-     towards the reference; dropping them is a choice, TRL keeps them, and saves their compute);
-  3. the reference model's log-probs of the same tokens, for the KL term: one call to ref_server.py
-     (with LoRA: our own model, adapters off; with beta 0: none);
+Every step, in order (the lines marked `# GRPO n.` below; docs/guide.md's reading order lists the files a
+step passes through):
+  1. draw `batch_prompts` (Q) problems and sample `num_generations` (G) completions for each with the
+     policy itself (transformers generate: simple_grpo/generation/hf_sampler.py, which shares each prompt's
+     KV cache among its G completions);
+  2. score them (simple_grpo/rollouts.py, simple_grpo/task/rewards.py) and form group-relative advantages;
+     keep the groups with a non-zero advantage (GRPO: their rewards differ; in the others every advantage is
+     0: with beta > 0 their KL term would still pull towards the reference; dropping them is a choice, TRL
+     keeps them, and saves their compute);
+  3. the reference model's log-probs of the same tokens, for the KL term: each kept group is uploaded to
+     ref_server.py and taken back with them (simple_grpo/protocol.py's reference_logps_from_server); with
+     LoRA: our own model, adapters off; with beta 0: none;
   4. the policy's log-probs (grpo_math.completion_logps: one forward, log_softmax, gather) and the GRPO
-     loss (grpo_math.grpo_loss: grpo_objective with TRL's options); backward; one optimizer step
-     (DeepSpeed). --num_iterations > 1 repeats 4 on the same rollouts (PPO's epochs).
+     loss (grpo_math.grpo_loss: grpo_objective with TRL's options); backward; one AdamW step (DeepSpeed's
+     engine.step(), through simple_grpo/trainer/update.py's optimizer_step). --num_iterations > 1 repeats
+     4 on the same rollouts (PPO's epochs).
 It writes one JSON line per step to runs/NAME/metrics.jsonl, checkpoints to runs/NAME/step_N/
 (HF format, plus the state --resume continues from), and the curves to runs/NAME/curves.png.
 """
@@ -80,13 +86,13 @@ def main(cfg: Config):
         check_reference(cfg)  # fail fast if the server is absent, or serves another model than ours
     if cfg.preflight:
         preflight(cfg)
-    engine, tokenizer = make_engine(cfg)  # the policy, wrapped by DeepSpeed with its Adam
+    engine, tokenizer = make_engine(cfg)  # the policy, wrapped by DeepSpeed with its AdamW
     torch.manual_seed(cfg.seed)  # the sampling (a resume restores this state)
     rng = random.Random(cfg.seed)  # draws the problems: its state is the data position
     run_dir, metrics_path, first_step, state = open_run(cfg, engine)
     if state is not None:
         rng.setstate(state["data_rng"])
-    run_id, B, G = uuid.uuid4().hex, cfg.batch_prompts, cfg.num_generations  # run_id: our groups in the server
+    run_id, Q, G = uuid.uuid4().hex, cfg.batch_prompts, cfg.num_generations  # run_id: our groups in the server
     stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)  # EOS, and the chat template's turn end
     doctor, tracker = RunDoctor(cfg, metrics_path), Tracker(cfg, run_dir)  # plain-language warnings; --report_to
 
@@ -98,66 +104,72 @@ def main(cfg: Config):
     for step in bar:
         t0 = time.time()
         # GRPO 1. sample G completions per problem with the current policy (transformers generate)
-        batch_problems = rng.sample(problems, B)
+        batch_problems = rng.sample(problems, Q)
         prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format, cfg.system_prompt) for p in batch_problems]
-        # prompt_ids, prompt_mask (B, P) left-padded; completion_ids (B*G, C) right-padded, group after group
+        # prompt_ids, prompt_mask (Q, P) left-padded; completion_ids (Q*G, C) right-padded, group after group
         prompt_ids, prompt_mask, completion_ids = generate(engine.module, tokenizer, prompts, cfg, stop_ids)
-        mask = completion_mask(completion_ids, stop_ids)  # (B*G, C): 1 up to and including the first stop token
-        texts = tokenizer.batch_decode(completion_ids * mask.long() + tokenizer.pad_token_id * (1 - mask.long()),
-                                       skip_special_tokens=True)
+        until_stop = completion_mask(completion_ids, stop_ids)  # (Q*G, C): 1 up to and including the first stop token
+        texts = tokenizer.batch_decode(completion_ids.masked_fill(until_stop == 0, tokenizer.pad_token_id),
+                                       skip_special_tokens=True)  # each completion's text, up to its stop token
         gen_s = time.time() - t0
 
         # GRPO 2. score them; group-relative advantages; keep the groups with a non-zero advantage
-        rewards, scores = score_groups(texts, batch_problems, G, reward_weights)  # (B*G,), a breakdown each
+        rewards, scores = score_groups(texts, batch_problems, G, reward_weights)  # (Q*G,), a breakdown each
         advantages = group_advantages(rewards, G, cfg.scale_rewards, estimator=cfg.advantage_estimator).float()
-        has_signal = groups_with_signal(advantages, G)  # (B,): GRPO: the rewards differ
-        rollout = rollout_stats(rewards, scores, mask, has_signal, gen_s, is_truncated(completion_ids, stop_ids),
+        has_signal = groups_with_signal(advantages, G)  # (Q,): GRPO: the rewards differ
+        rollout = rollout_stats(rewards, scores, until_stop, has_signal, gen_s, is_truncated(completion_ids, stop_ids),
                                 pick_accuracy_reward(reward_weights))  # accuracy: the correctness reward trained on
-        kept, keep = has_signal.to(mask.device), has_signal.repeat_interleave(G).to(mask.device)  # groups, rows
-        prompt_ids, prompt_mask = prompt_ids[kept], prompt_mask[kept]  # (b / G, P) each
-        completion_ids, mask, advantages = completion_ids[keep], mask[keep], advantages.to(mask.device)[keep]  # b rows
-        stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 1.0, "grad_norm": 0.0}
+        kept_groups = has_signal.to(until_stop.device)  # (Q,)
+        kept_rows = has_signal.repeat_interleave(G).to(until_stop.device)  # (Q*G,): the G rows of each kept group
+        prompt_ids, prompt_mask = prompt_ids[kept_groups], prompt_mask[kept_groups]  # (q, P) each: q groups kept
+        completion_ids, until_stop = completion_ids[kept_rows], until_stop[kept_rows]  # (q*G, C) each
+        advantages = advantages.to(until_stop.device)[kept_rows]  # (q*G,)
+        update_stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 1.0, "grad_norm": 0.0}
         t1 = t2 = time.time()
         if has_signal.any():
-            # GRPO 3. the reference model's log-probs of the same tokens, for the KL term
+            # GRPO 3. the reference model's log-probs of the same tokens, for the KL term: the same numbers as
+            # grpo_math.completion_logps under the frozen model, in evaluation mode (tests/test_ref_server.py)
             ref_logps = None  # beta 0: no KL term
-            if uses_ref_server(cfg):
+            if uses_ref_server(cfg):  # one upload per kept group, then one poll per group for its answer
                 meta = {"run_id": run_id, "policy_version": step, "temperature": cfg.temperature}
-                ref_logps = reference_logps_from_server(cfg, run_id, prompt_ids, prompt_mask, completion_ids, mask,
-                                                        meta, waiting)  # (b, C)
+                ref_logps = reference_logps_from_server(cfg, run_id, prompt_ids, prompt_mask, completion_ids,
+                                                        until_stop, meta, waiting)  # (q*G, C)
                 bar.set_description_str("grpo")
             elif cfg.beta != 0:  # --use_peft: the reference is our own base model, its adapters off
                 engine.eval()  # the reference as the ref server computes it: evaluation mode, no dropout
                 with engine.module.disable_adapter(), torch.no_grad():
                     ref_logps, _ = completion_logps(engine, prompt_ids, prompt_mask, completion_ids, cfg.temperature)
-            ref_logps = None if ref_logps is None else ref_logps.to(mask.device)
+            ref_logps = None if ref_logps is None else ref_logps.to(until_stop.device)
             t2 = time.time()
 
-            # GRPO 4. the policy's log-probs, the GRPO loss, backward, one optimizer step
+            # GRPO 4. the policy's log-probs, the GRPO loss, backward, one optimizer step. engine.step() (in
+            # optimizer_step) does what a plain loop writes out: clip the gradients' global 2-norm to 1.0, one
+            # AdamW step (lr --lr, constant; betas 0.9, 0.99; eps 1e-8; no weight decay), zero the gradients;
+            # set in simple_grpo/trainer/deepspeed_config.py (flag_config), or by a --deepspeed file
             engine.train()  # training mode: gradient checkpointing and dropout (if not disabled) act only in it
-            loss_mask = completion_mask(completion_ids, stop_ids, cfg.mask_truncated_completions)  # (b, C)
+            loss_mask = completion_mask(completion_ids, stop_ids, cfg.mask_truncated_completions)  # (q*G, C)
             skipped = 0  # updates not taken: a NaN or inf in the gradient or the loss
             for iteration in range(cfg.num_iterations):  # more than 1: PPO's epochs on the same rollouts
                 logps, entropy = completion_logps(engine, prompt_ids, prompt_mask, completion_ids,
-                                                  cfg.temperature)  # (b, C) each, b = G * groups kept
+                                                  cfg.temperature)  # (q*G, C) each
                 if iteration == 0:  # the policy that sampled is this one: ratio 1 now, the clip bounds the next
-                    old_logps = logps.detach()  # (b, C)
-                loss, stats = grpo_loss(logps, old_logps, ref_logps, advantages, loss_mask, **loss_options(cfg))
+                    old_logps = logps.detach()  # (q*G, C)
+                loss, update_stats = grpo_loss(logps, old_logps, ref_logps, advantages, loss_mask, **loss_options(cfg))
                 engine.backward(loss)
                 norm, stepped = optimizer_step(engine, loss.item())  # skipped if anything is NaN or inf
                 skipped += not stepped
             tokens = loss_mask.sum().clamp(min=1).item()
-            stats.update(loss=loss.item(), entropy=(entropy * loss_mask).sum().item() / tokens,  # a token mean
-                         tokens=int(loss_mask.sum()), **step_stats(engine, norm, skipped, cfg.num_iterations))
+            update_stats.update(loss=loss.item(), entropy=(entropy * loss_mask).sum().item() / tokens,  # a token mean
+                                tokens=int(loss_mask.sum()), **step_stats(engine, norm, skipped, cfg.num_iterations))
 
         # log what we measured, a few completions, and what the run doctor makes of it
-        record = {"step": step, **rollout, **stats, "ref_s": t2 - t1, "compute_s": time.time() - t2,
+        record = {"step": step, **rollout, **update_stats, "ref_s": t2 - t1, "compute_s": time.time() - t2,
                   "step_s": time.time() - t0}
         log_step(metrics_path, record, tracker)
         if has_signal.any() and cfg.log_completions_every and step % cfg.log_completions_every == 0:
             batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
                      "advantages": advantages}
-            log_batch_completions(run_dir, step, tokenizer, batch, [s for s, k in zip(scores, keep.tolist()) if k],
+            log_batch_completions(run_dir, step, tokenizer, batch, [s for s, k in zip(scores, kept_rows.tolist()) if k],
                                   stop_ids, logps.detach())
         stop = doctor.batch(batch_summary(rewards, scores, texts, has_signal), step) or doctor.step(record)
         bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['accuracy']:.2f}",

@@ -16,8 +16,9 @@ Three processes, one pipeline (ref_server.py is the third; with --beta 0 there i
 While the trainer computes step s, the worker already samples the batch for step s+1 with
 slightly older weights (never more than `max_policy_lag` versions: the timeline is WorkerSchedule's
 docstring, simple_grpo/generation/schedule.py). Each rollout carries the policy version and vLLM's
-log-probs (sampler_logps); the update weights each token by min(pi_old / pi_vLLM, tis_cap) (truncated
-importance sampling), so it stays correct off-policy and across the two engines' numerics.
+log-probs (sampler_logps); the update weights each token by min(pi_old / pi_vLLM, tis_cap) (capped
+importance sampling, the literature's "truncated" IS), so it stays correct off-policy and across the two
+engines' numerics.
 Where sampling is the slow part, --gen_workers K runs K workers that make the batches in turn.
 
 Every step, in order: the worker's `# GRPO 1.` sample, `2.` score and group, then post; the trainer's
@@ -99,34 +100,34 @@ def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     n = len(ranks)  # batch b goes to rank ranks[b % n]
     # which weights sample which batch, and when to wait for them (its docstring has the timeline)
-    schedule = WorkerSchedule(cfg, llm, channels, n, first_batch=worker,
-                              skip_draws=lambda draws: [rng.sample(problems, cfg.batch_prompts) for _ in range(draws)])
+    schedule = WorkerSchedule(cfg, llm, channels, n, first_batch_index=worker,
+                              draw=lambda: rng.sample(problems, cfg.batch_prompts))
     while not channels.stop.is_set():
-        if not schedule.ready():  # it took weights, or must wait for the ones its next batch is due
+        if not schedule.take_weights_or_wait():  # it loaded weights or resumed, or waits for the next batch's
             continue
 
         # GRPO 1. sample G completions per problem with weights version schedule.version (vLLM), with their log-probs
         t0 = time.time()
-        batch_problems = rng.sample(problems, cfg.batch_prompts) + ask_again
-        schedule.draws += 1
+        batch_problems = schedule.draw_problems() + ask_again
         prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format, cfg.system_prompt) for p in batch_problems]
         prompt_rows, completion_ids, sampler_logps = sample(llm, prompts, cfg, stop_ids)
-        mask = completion_mask(completion_ids, stop_ids)
-        texts = tokenizer.batch_decode(completion_ids * mask.long() + tokenizer.pad_token_id * (1 - mask.long()),
-                                       skip_special_tokens=True)
+        until_stop = completion_mask(completion_ids, stop_ids)  # (Q*G, C): 1 up to and including the first stop token
+        texts = tokenizer.batch_decode(completion_ids.masked_fill(until_stop == 0, tokenizer.pad_token_id),
+                                       skip_special_tokens=True)  # each completion's text, up to its stop token
         gen_s = time.time() - t0
         # GRPO 2. score them; group-relative advantages; groups whose rewards are all alike are dropped
         rewards, scores = score_groups(texts, batch_problems, G, reward_weights)
-        meta = {"run_id": stream_id(run_id, ranks[schedule.batch % n], world, cfg, worker),
+        meta = {"run_id": stream_id(run_id, ranks[schedule.batch_index % n], world, cfg, worker),
                 "policy_version": schedule.version,
                 "temperature": cfg.temperature, "worker": worker}
-        groups, has_signal = make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, sampler_logps,
+        groups, has_signal = make_groups(prompt_rows, completion_ids, until_stop, rewards, G, meta, sampler_logps,
                                          keep_equal=cfg.regroup, scale_rewards=cfg.scale_rewards, scores=scores,
                                          estimator=cfg.advantage_estimator)
         generated += completion_ids.size(0)
-        stats = {**rollout_stats(rewards, scores, mask, has_signal, gen_s, is_truncated(completion_ids, stop_ids),
-                                 pick_accuracy_reward(reward_weights)),
-                 "weights_load_s": schedule.load_s, "generated": generated}
+        truncated = is_truncated(completion_ids, stop_ids)  # (Q*G,): cut off at --max_new_tokens
+        rollout = {**rollout_stats(rewards, scores, until_stop, has_signal, gen_s, truncated,
+                                   pick_accuracy_reward(reward_weights)),
+                   "weights_load_s": schedule.load_s, "generated": generated}
         channels.status.put(("batch", {**batch_summary(rewards, scores, texts, has_signal), "posted": len(groups)}))
         if cfg.regroup:  # a second round for the fresh questions whose answers all scored alike but
             # differ: the model is unsure of those, and another round may bring another reward
@@ -135,7 +136,8 @@ def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
                          if not has_signal[q] and len(set(answers[q * G:(q + 1) * G])) > 1]
         # post: to the trainer through the ref server (it adds ref_logps), or straight (beta 0)
         for _, m in groups:  # the trainer takes groups_in_batch groups as one batch
-            m.update(batch=schedule.batch, draws=schedule.draws, groups_in_batch=len(groups), stats=stats)
+            m.update(batch_index=schedule.batch_index, draws=schedule.draws, groups_in_batch=len(groups),
+                     rollout=rollout)
         if groups and uses_ref_server(cfg):
             post_groups(cfg, groups)
         for group in groups if not uses_ref_server(cfg) else []:
@@ -229,7 +231,7 @@ def main(cfg: Config):
             meta, oldest = metas[-1], min(m["policy_version"] for m in metas)
             trained += sum(g["completion_ids"].size(0) for g in groups)
             for m in metas:
-                generated[m["worker"]] = max(generated[m["worker"]], m["stats"]["generated"])
+                generated[m["worker"]] = max(generated[m["worker"]], m["rollout"]["generated"])
                 draws[m["worker"]] = max(draws[m["worker"]], m["draws"])
 
             batch = collate(groups, tokenizer.pad_token_id)
@@ -238,16 +240,17 @@ def main(cfg: Config):
 
             # GRPO 4. the update: grpo_math.grpo_loss on the batch, one optimizer step. The ratio's old_logps are
             # the trainer's own; vLLM's sampler_logps weight each token (--tis_cap; with 0 they are old_logps)
-            stats, logps = grpo_update(engine, batch, cfg, stop_ids)
+            update_stats, logps = grpo_update(engine, batch, cfg, stop_ids)
             compute_s = time.time() - t0 - wait_s
 
-            # GRPO 5. send the new weights (in memory): version `step` samples the batch trained at step + 2
+            # GRPO 5. send the new weights (in memory): version `step` samples the batches trained at steps
+            # step + L + 2 - k to step + L + 1 (L: --max_policy_lag, k: --sync_every; the defaults: step + 2)
             if step % cfg.sync_every == 0 and step < cfg.steps:
                 sync_weights(sender, engine, step, cfg.zero_stage, check_alive, cfg.data_timeout)
-            record = {"step": step, **meta["stats"], **stats, "policy_lag": step - 1 - oldest, "batch": meta["batch"],
-                      "worker": meta["worker"], "generated": sum(generated), "trained": trained,
-                      "wait_s": wait_s, "compute_s": compute_s, "sync_s": time.time() - t0 - wait_s - compute_s,
-                      "step_s": time.time() - t0}
+            record = {"step": step, **meta["rollout"], **update_stats, "policy_lag": step - 1 - oldest,
+                      "batch": meta["batch_index"], "worker": meta["worker"], "generated": sum(generated),
+                      "trained": trained, "wait_s": wait_s, "compute_s": compute_s,
+                      "sync_s": time.time() - t0 - wait_s - compute_s, "step_s": time.time() - t0}
 
             # what this step measured: metrics.jsonl, a few completions, the run doctor's verdict
             stop = progress.update(step) if progress is not None else None  # the batches made meanwhile

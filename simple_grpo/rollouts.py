@@ -16,7 +16,7 @@ def score_groups(completions, problems, G, weights):
     return torch.tensor([s["reward"] for s in scores]), scores
 
 
-def make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, sampler_logps=None, keep_equal=False,
+def make_groups(prompt_rows, completion_ids, until_stop, rewards, G, meta, sampler_logps=None, keep_equal=False,
                 scale_rewards="group", scores=None, estimator="grpo"):
     """One group (tensors, meta) per prompt with a non-zero advantage, ready to post, and has_signal (Q,).
     A group whose advantages are all 0 (GRPO: its rewards are all equal) has no policy-gradient signal,
@@ -29,7 +29,7 @@ def make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, sampler_log
     groups = []
     for q in torch.nonzero(has_signal | keep_equal).flatten().tolist():
         rows = slice(q * G, (q + 1) * G)
-        C = int(mask[rows].sum(1).max())  # trim the group's common padding
+        C = int(until_stop[rows].sum(1).max())  # trim the group's common padding
         tensors = {"prompt_ids": prompt_rows[q], "completion_ids": completion_ids[rows, :C],
                    "rewards": rewards[rows].float(), "advantages": advantages[rows].float()}
         if sampler_logps is not None:
@@ -38,22 +38,23 @@ def make_groups(prompt_rows, completion_ids, mask, rewards, G, meta, sampler_log
     return groups, has_signal
 
 
-def rollout_stats(rewards, scores, mask, has_signal, gen_s, truncated, accuracy_reward="correctness"):
-    """What one step's rollouts say, for the log: all groups, dropped ones included. truncated (Q*G,):
+def rollout_stats(rewards, scores, until_stop, has_signal, gen_s, truncated, accuracy_reward="correctness"):
+    """What one step's rollouts say, for the log: all groups, dropped ones included. until_stop (Q*G, C):
+    1 up to each completion's first stop token (grpo_math.completion_mask); truncated (Q*G,):
     the completions cut off at max_new_tokens (grpo_math.is_truncated); accuracy: the mean of
     accuracy_reward (task/rewards.py's pick_accuracy_reward: the correctness reward trained on)."""
     each = {}
     for name in (n for n in scores[0] if n != "reward"):  # each reward function's mean and spread
         values = torch.tensor([s[name] for s in scores], dtype=torch.float)
         each.update({f"reward_{name}": values.mean().item(), f"reward_{name}_std": values.std().item()})
-    lengths = mask.sum(1)
+    lengths = until_stop.sum(1)
     return {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(), **each,
             "accuracy": sum(s[accuracy_reward] for s in scores) / len(scores),
             "format_rate": sum(s["format"] for s in scores) / len(scores),
             "completion_len": lengths.mean().item(), "completion_len_min": int(lengths.min()),
             "completion_len_max": int(lengths.max()), "truncated_frac": truncated.float().mean().item(),
             "zero_var_frac": 1 - has_signal.float().mean().item(),
-            "tokens_per_s": mask.sum().item() / gen_s, "gen_s": gen_s}
+            "tokens_per_s": until_stop.sum().item() / gen_s, "gen_s": gen_s}
 
 
 def collate(groups, pad_id):

@@ -7,6 +7,10 @@ A file's values win over the flags, except "auto", which takes the flag's value 
 of transformers' and TRL's DeepSpeed integration). Where a flag was set to something other than
 its default and the file says otherwise, the run says which value it uses.
 
+One engine.step() (trainer/update.py's optimizer_step calls it) clips the gradients to a global 2-norm of
+gradient_clipping (1.0), takes one AdamW step (lr --lr, constant: no scheduler; betas 0.9, 0.99; eps 1e-8,
+torch's default; weight decay 0), and zeroes the gradients: flag_config below sets each of these.
+
 bfloat16: DeepSpeed keeps bf16 weights, gradients and activations, and fp32 master weights and
 Adam moments. The optimizer is torch's AdamW (no C++ build); offloaded to the CPU it is torch's fused
 AdamW, run on the host's cores (deepspeed_engine.use_threads_in_step; bench/offload_optimizer.py).
