@@ -128,7 +128,7 @@ import json, sys, torch
 from simple_grpo.trainer.deepspeed_engine import make_engine
 from grpo_train import Config
 from simple_grpo.trainer.update import grpo_update
-cfg = Config(zero_stage=int(sys.argv[1]), threads=1)
+cfg = Config(zero_stage=int(sys.argv[1]), threads=1, lr=1e-6)
 engine, tok = make_engine(cfg)
 g = torch.Generator().manual_seed(0)
 batch = {"prompt_ids": torch.randint(3, 500, (2, 6), generator=g), "prompt_mask": torch.ones(2, 6, dtype=torch.long),

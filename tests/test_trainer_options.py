@@ -101,6 +101,14 @@ def test_bad_options_fail_before_any_model_loads():
     assert cfg.scale_rewards == "group" and cfg.epsilon_high == 0.28
 
 
+def test_the_default_lr_fits_the_model_and_a_given_lr_is_kept():
+    """1e-4 for the tiny default model (`python grpo_train.py` trains it), 1e-6 (TRL's) for any other."""
+    tiny, by_path, other, given = Config(), Config(model=TINY), Config(model="Qwen/Qwen2.5-0.5B"), Config(lr=3e-5)
+    for cfg in (tiny, by_path, other, given):
+        check_options(cfg)  # reads no model: the default comes from the name alone
+    assert (tiny.lr, by_path.lr, other.lr, given.lr) == (1e-4, 1e-4, 1e-6, 3e-5)
+
+
 def test_num_iterations_reuses_the_rollouts_and_the_second_ratio_is_the_first_steps_move():
     """Iteration 1 is on-policy (ratio 1); iteration 2 uses iteration 1's log-probs as old_logps,
     so its ratio is exp(logp after one step - logp before). The one-step policy comes from a

@@ -15,8 +15,8 @@ from simple_grpo.run.smollm2_recipe import SYSTEM_PROMPT, WARM_START_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 MODEL, TEST = "models/tiny-math", "data/toy_math/test.jsonl"
-# the tiny model's tuned learning rate (2e-4 learned slower, 5e-4 collapsed); the trainers' default,
-# 1e-6, is for real pretrained models
+# the tiny model's tuned learning rate (2e-4 learned slower, 5e-4 collapsed), which is the trainers' default
+# for it too: given here so that a demo's command line says it
 TINY_WORLD_FLAGS = ["--lr", "1e-4"]
 
 

@@ -76,7 +76,7 @@ def add_part_stats(stats, part, share):
 
 
 def significant(value, digits=6):
-    """value to `digits` significant digits: the default lr 1e-6 and a KL of 3e-7 keep theirs
+    """value to `digits` significant digits: an lr of 1e-6 and a KL of 3e-7 keep theirs
     (rounding to decimal places would log both as 0.0)."""
     return float(f"{value:.{digits}g}")
 

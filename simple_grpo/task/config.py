@@ -9,10 +9,13 @@ from simple_grpo.flags import flag
 from simple_grpo.task.rewards import load_reward_file, parse_reward_spec
 
 
+TINY_MODEL = "models/tiny-math"  # the tiny default model (tools/build_tiny_model.py)
+
+
 @dataclass
 class DataConfig:
     """The model and its problems: what evaluate.py takes too."""
-    model: str = flag("models/tiny-math", "the policy's starting point: an HF model directory or hub name")
+    model: str = flag(TINY_MODEL, "the policy's starting point: an HF model directory or hub name")
     dataset: str = flag("data/toy_math/train.jsonl", "problems: a .jsonl/.json/.parquet/.csv file or a hub dataset")
     dataset_config: str = flag("", "a hub dataset's config, e.g. main for openai/gsm8k")
     split: str = flag("train", "a hub dataset's split")

@@ -4,6 +4,7 @@ Each script's Config extends TrainerConfig with the flags that are its own (grpo
 generation worker's, simple_grpo/generation/config.py); check_options fills in the defaults that depend
 on other flags and refuses bad values before the slow start-up.
 """
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -12,7 +13,7 @@ from simple_grpo.flags import flag
 from simple_grpo.protocol import DEFAULT_REF_URL
 from simple_grpo.run.doctor import parse_stop_on
 from simple_grpo.run.metrics import Tracker
-from simple_grpo.task.config import TaskConfig, check_task
+from simple_grpo.task.config import TINY_MODEL, TaskConfig, check_task
 from simple_grpo.trainer.deepspeed_config import deepspeed_config, uses_bf16, zero_stage
 from triton_loss import check_loss_impl
 
@@ -35,8 +36,9 @@ class TrainerConfig(TaskConfig):
                                             "model's own best answers; grpo_math.group_advantages)")
     scale_rewards: str = flag("", "advantage scale: group, batch or none (default: group; none for dr_grpo)")
     mask_truncated_completions: bool = flag(False, "completions cut off without a stop token get no gradient")
-    lr: float = flag(1e-6, "Adam's learning rate; 1e-6 (TRL's) suits pretrained models in full, ~1e-4 their "
-                                "LoRA adapters (SmolLM2-135M: 2e-4); the tiny demo takes 1e-4")
+    lr: Optional[float] = flag(None, "AdamW's learning rate; None: the model's, 1e-4 for the tiny default model and "
+                                     "1e-6 (TRL's) for any other, as pretrained models in full want (their LoRA "
+                                     "adapters want ~1e-4, SmolLM2-135M's 2e-4)")
     steps: int = flag(200, "optimizer steps (one batch of rollouts each)")
     num_iterations: int = flag(1, "optimizer steps per batch of rollouts (TRL's num_iterations, PPO's epochs)")
     micro_batch_groups: int = flag(0, "groups per forward/backward (0: the whole batch); less memory, same step")
@@ -109,6 +111,8 @@ def check_options(cfg):
                          "computes GRPO's advantages itself; leave one of them out")
     if cfg.use_peft:
         check_lora(cfg)
+    lr_given = cfg.lr is not None
+    cfg.lr = cfg.lr if lr_given else default_lr(cfg.model)
     # the ref server holds the reference model; with LoRA the trainer's own base is it (regrouping still
     # needs the server's pools)
     cfg.ref_url = cfg.ref_url or ("" if cfg.use_peft and not getattr(cfg, "regroup", False) else DEFAULT_REF_URL)
@@ -116,13 +120,22 @@ def check_options(cfg):
     reward_weights = check_task(cfg)  # the model, data, reward and sampling flags (task.py)
     parse_stop_on(cfg.stop_on)
     Tracker.check(cfg.report_to)
-    # the DeepSpeed config, once: a --deepspeed file can change the stage, dtype and lr the rest reads
-    ds_config, notes = deepspeed_config(cfg, type(cfg)())
+    # the DeepSpeed config, once: a --deepspeed file can change the stage, dtype and lr the rest reads. The
+    # defaults tell the flags the user set from the rest (an lr not given: this model's default)
+    defaults = type(cfg)(lr=None if lr_given else cfg.lr)
+    ds_config, notes = deepspeed_config(cfg, defaults)
     for note in notes:
         print(note)
     cfg.zero_stage, cfg.dtype = zero_stage(ds_config), "bfloat16" if uses_bf16(ds_config) else "float32"
     cfg.lr = ds_config.get("optimizer", {}).get("params", {}).get("lr", cfg.lr)
     return reward_weights
+
+
+def default_lr(model):
+    """--lr's default: 1e-4 for the tiny default model (docs/tuning.md: 2e-4 learned slower, 5e-4 collapsed);
+    1e-6, TRL's, for any other, as a pretrained model trained in full wants: Adam's first steps move every
+    weight by about lr, and 1e-4 took SmolLM2-135M's KL to the reference to 239 in one update."""
+    return 1e-4 if os.path.realpath(model) == os.path.realpath(TINY_MODEL) else 1e-6
 
 
 def check_lora(cfg):

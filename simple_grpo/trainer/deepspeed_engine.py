@@ -36,6 +36,8 @@ def clear_stale_build_locks(extensions_dir, max_age_s=900.0):
 
 def make_engine(cfg):
     """The policy as a DeepSpeed engine, and its tokenizer (seeds set first)."""
+    if cfg.lr is None:
+        raise ValueError("cfg.lr is None: check_options(cfg) fills in the model's default lr, or set it")
     setup_distributed()
     import deepspeed
     from transformers import AutoModelForCausalLM, AutoTokenizer
