@@ -1,7 +1,8 @@
 """grpo_train.py: the simplest complete GRPO trainer. One process samples with the policy itself and trains
-it; the loop below is one GRPO step, written out, and the math is grpo_math.py. Several ranks,
---micro_batch_groups, the shared-prompt log-prob path for the policy's own log-probs (simple_grpo/logprobs.py)
-and --loss_impl triton are grpo_vllm_one.py's: here the policy's log-probs are one plain forward.
+it; each pass of the loop below is one GRPO step, stage by stage, calling grpo_math.py for the math and
+simple_grpo/ for the sampler, the rewards, the ref server's client and the optimizer step (named below).
+Several ranks, --micro_batch_groups, --loss_impl triton and the shared-prompt path for the policy's own
+log-probs (simple_grpo/logprobs.py) are grpo_vllm_one.py's: here those log-probs are one plain forward.
 
     python ref_server.py &          # the frozen reference model, 127.0.0.1:59875
     python grpo_train.py            # tiny default model and toy task, on CPU
