@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from simple_grpo.run.doctor import RULES, RunDoctor, batch_summary, parse_stop_on
+from simple_grpo.trainer.config import check_options
 from grpo_train import Config
 from tests.test_ref_server import server  # noqa: F401 - the live server fixture
 
@@ -33,6 +34,7 @@ def summary(rewards, G=4):
 
 def doctor(tmp_path, **flags):
     cfg = Config(**flags)
+    check_options(cfg)  # as the trainers hand it over: the defaults that depend on other flags filled in (the lr)
     return RunDoctor(cfg, str(tmp_path / "metrics.jsonl")), tmp_path / "metrics.jsonl"
 
 
