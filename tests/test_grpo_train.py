@@ -67,6 +67,9 @@ def test_three_steps_write_metrics_checkpoints_and_curves(server, tmp_path):  # 
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = os.path.join(ROOT, "runs", run)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    # the run doctor's warnings are lines of their own (at the default lr, 1e-4 for the tiny model, the second
+    # iteration of step 1 can see a KL above --doctor_kl_max after the first update)
+    rows = [r for r in rows if "warning" not in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for key in ("reward_mean", "accuracy", "format_rate", "kl", "clip_fraction", "ratio_mean", "grad_norm",
                 "completion_len", "zero_var_frac", "tokens_per_s"):
