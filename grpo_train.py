@@ -6,7 +6,7 @@ log-probs (simple_grpo/logprobs.py) are grpo_vllm_one.py's: here those log-probs
 
     python ref_server.py &          # the frozen reference model, 127.0.0.1:59875
     python grpo_train.py            # tiny default model and toy task, on CPU
-    deepspeed grpo_train.py --model Qwen/Qwen2.5-0.5B --dataset openai/gsm8k --dataset_config main
+    deepspeed --num_gpus 1 grpo_train.py --model Qwen/Qwen2.5-0.5B --dataset openai/gsm8k --dataset_config main
     python grpo_train.py --beta 0           # no KL term: no reference server at all
     python grpo_train.py --use_peft         # LoRA adapters; the base, adapters off, is the reference: no server
 
