@@ -112,6 +112,7 @@ def test_patience_without_evaluations_is_refused(tmp_path):
     assert result.returncode != 0 and "give --eval_every too" in result.stderr
 
 
+@pytest.mark.slow  # two warm starts (~15 s); the fast suite is near its 20-minute budget
 def test_a_linear_schedule_ends_at_zero_and_train_n_takes_the_first_problems(tmp_path):
     result = warm_start(tmp_path / "warm", "--steps", "10", "--lr", "1e-4", "--lr_schedule", "linear",
                         "--train_n", "4")
