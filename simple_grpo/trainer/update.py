@@ -67,7 +67,7 @@ def reference_logps(engine, batch, cfg):
     return torch.cat(logps)
 
 
-def grpo_update(engine, batch, cfg, stop_ids, weight=1.0):
+def grpo_update(engine, batch, cfg, stop_ids):
     """The GRPO update on one collated batch: the loss's diagnostics, and the per-token log-probs.
 
     old_logps, the old policy's log-probs in the ratio, are the trainer's own from the first iteration
@@ -76,11 +76,10 @@ def grpo_update(engine, batch, cfg, stop_ids, weight=1.0):
     grpo_math.capped_is_weight), or, with tis_cap 0, stand in for old_logps. num_iterations > 1
     takes several steps on the same rollouts (PPO's epochs): from the second on, the ratio moves off 1
     and the clip bounds the update. With micro_batch_groups, forward and backward go a few groups at a
-    time and the gradients add up to the whole batch's, for one optimizer step. weight 0: take part in
-    the step's collectives (several ranks) with no gradient of one's own. Returns the stats and the
+    time and the gradients add up to the whole batch's, for one optimizer step. Returns the stats and the
     last iteration's per-token log-probs (for the completions log)."""
     # training mode: from_pretrained leaves the model in evaluation mode, and gradient checkpointing
-    # (--gradient_checkpointing) and dropout (--disable_dropout false) act only in training mode
+    # (--gradient_checkpointing) and dropout (unless --disable_dropout) act only in training mode
     engine.train()
     batch = {k: v.to(engine.device) for k, v in batch.items()}
     loss_mask = completion_mask(batch["completion_ids"], stop_ids, cfg.mask_truncated_completions)  # (B, C)
@@ -115,9 +114,9 @@ def grpo_update(engine, batch, cfg, stop_ids, weight=1.0):
                 **loss_options(cfg))
             # the part's share of the batch's loss, so the parts' gradients add up to the whole batch's: its
             # tokens' share where the loss is a mean over all tokens, its sequences' share where it is a mean
-            # over sequences; times weight (0 on a rank with no signal: it joins the step, adds no gradient)
+            # over sequences
             token_share = (loss_mask[rows].sum() / loss_mask.sum().clamp(min=1)).item()
-            share = weight * (token_share if token_mean else (q1 - q0) / Q)
+            share = token_share if token_mean else (q1 - q0) / Q
             engine.backward(part_loss * share)
             loss += part_loss.item() * share
             add_part_stats(stats, part_stats, token_share)  # the diagnostics are token means: weighted by tokens
