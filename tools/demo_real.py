@@ -204,27 +204,27 @@ def answers_demo(args):
         report[f"gain_vs_{other}"] = gain_row(details[other], details["grpo"])
     report["grpo_minutes"], report["raft_minutes"] = round(minutes["grpo"], 2), round(minutes["raft"], 2)
     report["minutes"] = round((time.time() - t0) / 60, 2)
-    lines = [f"GRPO's gain over {other} on the same {g['n']} problems: {g['accuracy']:+.3f}, 95% interval "
-             f"[{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}] (won {g['won']}, lost {g['lost']}); strict "
-             f"{g['accuracy_strict']:+.3f} [{g['ci95_strict'][0]:+.3f}, {g['ci95_strict'][1]:+.3f}]"
-             for other, g in (("the start", report["gain_vs_start"]), ("RAFT", report["gain_vs_raft"]),
-                              ("the control", report["gain_vs_control"]))]
+    lines = [gain_line(other, report[key]) for key, other in
+             (("gain_vs_start", "the start"), ("gain_vs_raft", "RAFT"), ("gain_vs_control", "the control"))]
     lines.append(f"The start and the control learned from {FEW_SOLUTIONS} worked solutions; GRPO and RAFT from the "
                  f"final answers of the other {len(train) - FEW_SOLUTIONS}. GRPO trained {minutes['grpo']:.1f} "
                  f"minutes, RAFT {minutes['raft']:.1f}; the demo took {report['minutes']:.1f}.")
     print_before_after(report, ANSWERS_MODELS, "\n".join(lines))
 
 
+def gain_line(other, g):
+    """One paired gain of GRPO (gain_row's figures) as a sentence, the strict integer score's beside it."""
+    return (f"GRPO's gain over {other} on the same {g['n']} problems: {g['accuracy']:+.3f}, 95% interval "
+            f"[{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}] (won {g['won']}, lost {g['lost']}); strict "
+            f"(a plain integer answer) {g['accuracy_strict']:+.3f} [{g['ci95_strict'][0]:+.3f}, "
+            f"{g['ci95_strict'][1]:+.3f}]")
+
+
 def summary(report, run_name):
     """The lines under the table: GRPO's paired gains, what each side learned from, the minutes."""
-    lines = []
-    for key, other in (("gain_vs_before", "before (the best supervised start)"),
-                       ("gain_vs_control", "the control (as many minutes more supervised)")):
-        g = report[key]
-        lines.append(f"GRPO's gain over {other} on the same {g['n']} problems: {g['accuracy']:+.3f}, 95% interval "
-                     f"[{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}] (won {g['won']}, lost {g['lost']}); strict "
-                     f"(a plain integer answer) {g['accuracy_strict']:+.3f} [{g['ci95_strict'][0]:+.3f}, "
-                     f"{g['ci95_strict'][1]:+.3f}]")
+    lines = [gain_line(other, report[key]) for key, other in
+             (("gain_vs_before", "before (the best supervised start)"),
+              ("gain_vs_control", "the control (as many minutes more supervised)"))]
     lines.append(f"GRPO learned from final answers only; the supervised start and the control from worked "
                  f"solutions. GRPO and the control each trained {report['grpo_minutes']:.1f} minutes; the demo took "
                  f"{report['minutes']:.1f}. Curves: runs/{run_name}/curves.png, report: runs/{run_name}/report.html")
