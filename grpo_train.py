@@ -55,7 +55,7 @@ from simple_grpo.task.config import load_data
 from simple_grpo.task.problems import make_prompt, stop_token_ids
 from simple_grpo.task.rewards import pick_accuracy_reward
 from simple_grpo.trainer.config import TrainerConfig, check_options
-from simple_grpo.trainer.deepspeed_engine import make_engine
+from simple_grpo.trainer.deepspeed_engine import leave_process_group, make_engine
 from simple_grpo.trainer.memory_plan import show_plan
 from simple_grpo.trainer.update import loss_options, optimizer_step, step_stats
 
@@ -101,6 +101,7 @@ def main(cfg: Config):
         bar.set_description_str(f"waiting for the ref server's log-probs: group {group + 1} ({waited_s:.0f} s, "
                                 f"gives up after {cfg.ref_timeout:.0f} s)")
 
+    stop = None  # the run doctor's reason to end the run early, once it gives one
     bar = tqdm(range(first_step, cfg.steps + 1), desc="grpo", initial=first_step - 1, total=cfg.steps)
     for step in bar:
         t0 = time.time()
@@ -178,10 +179,12 @@ def main(cfg: Config):
         if step % cfg.save_every == 0 or step == cfg.steps or stop:
             save_checkpoint(engine, tokenizer, run_dir, step, {"data_rng": rng.getstate()})
         if stop:
-            finish_run(run_dir, step, 0, tracker)
-            raise SystemExit(stop)
+            break
 
-    finish_run(run_dir, cfg.steps, 0, tracker)
+    finish_run(run_dir, step if stop else cfg.steps, 0, tracker)
+    leave_process_group()
+    if stop:
+        raise SystemExit(stop)
 
 
 if __name__ == "__main__":

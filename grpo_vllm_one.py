@@ -63,7 +63,7 @@ from simple_grpo.task.config import load_data
 from simple_grpo.task.problems import make_prompt, stop_token_ids
 from simple_grpo.task.rewards import extract_answer, pick_accuracy_reward
 from simple_grpo.trainer.config import TrainerConfig, check_options
-from simple_grpo.trainer.deepspeed_engine import make_engine
+from simple_grpo.trainer.deepspeed_engine import leave_process_group, make_engine
 from simple_grpo.trainer.memory_plan import show_plan
 from simple_grpo.trainer.update import grpo_update, reference_logps
 
@@ -270,6 +270,7 @@ def main(cfg: Config):
     finally:
         stop_workers(workers)
     finish_run(run_dir, step, rank, tracker)
+    leave_process_group()
     if stop:
         raise SystemExit(stop)
 

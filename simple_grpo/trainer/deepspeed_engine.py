@@ -60,6 +60,13 @@ def make_engine(cfg):
     return engine, tokenizer
 
 
+def leave_process_group():
+    """End of a run: this rank leaves the process group DeepSpeed made. Where one is left open, NCCL warns at
+    exit that it can leak resources (seen on an H100: docs/gpu_notes.md)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def disable_dropout(model):
     """Every dropout of the model at 0, so training mode computes what evaluation mode does (TRL's
     disable_dropout_in_model, and also the attention's own rate, which transformers applies without a module)."""

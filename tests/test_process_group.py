@@ -1,0 +1,34 @@
+"""Each trainer leaves the process group DeepSpeed made before its process ends. One left open makes NCCL warn at
+exit that it can leak resources, as an H100 showed for grpo_train.py (docs/gpu_notes.md); gloo, here, says
+nothing, so a sitecustomize module asks torch at the process's exit whether a group is still open."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from simple_grpo.run.launch import ROOT
+
+AT_EXIT = r"""
+import atexit, os
+def write():  # registered first, so it runs after every other exit handler
+    import torch.distributed as dist
+    with open(os.path.join(os.path.dirname(__file__), f"open.{os.getpid()}"), "w") as f:
+        f.write(str(dist.is_available() and dist.is_initialized()))
+atexit.register(write)
+"""
+
+
+@pytest.mark.parametrize("trainer", ["grpo_train", pytest.param("grpo_vllm_one", marks=pytest.mark.slow)])
+def test_a_finished_run_leaves_no_process_group_open(tmp_path, trainer):
+    (tmp_path / "sitecustomize.py").write_text(AT_EXIT)
+    out = subprocess.run([sys.executable, f"{trainer}.py", "--beta", "0", "--steps", "1", "--batch_prompts", "2",
+                          "--num_generations", "4", "--max_new_tokens", "16", "--lr", "1e-4", "--threads", "1",
+                          "--save_every", "100", "--run_name", f"test_process_group_{trainer}", "--overwrite"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    reports = list(tmp_path.glob("open.*"))  # one per process of the run
+    assert reports, "no process of the run reported at exit"
+    left_open = {path.name: path.read_text() for path in reports if path.read_text() == "True"}
+    assert not left_open, f"processes that exited with a process group open: {left_open}"
