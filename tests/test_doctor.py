@@ -157,6 +157,7 @@ def test_no_signal_run_stops_with_the_doctors_message(tmp_path):
     print(f"no-signal stop: {seconds:.0f} s in all, vLLM start {ready:.0f} s")
 
 
+@pytest.mark.slow  # ~45 s; the fast suite keeps the doctor's stop on the same run (above)
 def test_no_signal_run_without_stop_on_ends_at_its_deadline(server):  # noqa: F811
     """The same run through the ref server (the wait that had no deadline): the doctor's warning, the
     progress bar saying what it waits for, and --data_timeout ending the run naming what never came."""

@@ -162,7 +162,8 @@ def test_a_non_finite_loss_or_gradient_skips_the_update_and_leaves_the_weights()
                           "clean": 0, "clean_changed": True}, (stage, result)
 
 
-@pytest.mark.parametrize("signals", [1, 2])  # 2: a second SIGTERM while the trainer stops its worker
+# 2: a second SIGTERM while the trainer stops its worker (it also shows one SIGTERM's path; 1 is slow-marked)
+@pytest.mark.parametrize("signals", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_sigterm_stops_the_trainer_and_every_process_it_started(server, signals):  # noqa: F811
     run = fresh(f"test_sigterm_{signals}")
     trainer = subprocess.Popen([sys.executable, "grpo_vllm_one.py", "--ref_url", server, "--steps", "100",

@@ -43,7 +43,8 @@ def sync_and_sample(cfg, out, k, channels, parent_pid):
     channels.stop.wait(600)  # the tensors above travel as shared memory this process must hold until read
 
 
-@pytest.mark.parametrize("gen_compile", [False, True], ids=["eager", "compiled"])
+# compiled (--gen_compile, off by default) takes ~65 s of the fast suite: slow-marked
+@pytest.mark.parametrize("gen_compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_one_sync_reaches_both_workers_and_each_samples_with_the_trainers_weights(policy, gen_compile):  # noqa: F811
     cfg = Config(**{**CFG.__dict__, "gen_workers": 2, "gen_compile": gen_compile})
     out = mp.get_context("spawn").Queue()
@@ -117,7 +118,7 @@ def test_resume_with_two_workers_continues_each_workers_draws(server):  # noqa: 
     check_draws(run, [7, 8])  # each worker's 4th draw: the 3 before were skipped, not sampled again
 
 
-@pytest.mark.parametrize("victim", [0, 1])
+@pytest.mark.parametrize("victim", [pytest.param(0, marks=pytest.mark.slow), 1])  # the first: also tests/test_grpo_vllm_one.py
 def test_killing_either_worker_stops_the_run_naming_it(server, victim, tmp_path):  # noqa: F811
     run, log = fresh(f"test_kill_worker_{victim}"), tmp_path / "out.txt"
     with open(log, "w") as f:

@@ -142,6 +142,7 @@ def test_the_chat_templates_turn_end_stops_a_base_model_and_ends_its_mask():
     assert "<|im_start|>assistant" in chat_prompt(base, "q")
 
 
+@pytest.mark.slow  # ~55 s: the whole recipe starts
 def test_the_recipe_stops_at_once_when_the_ref_server_dies_during_start_up():
     env = {**os.environ, "MODEL": "no/such-model-dir", "REF_DEVICE": "cpu", "PORT": "59893",
            "PATH": "/usr/bin:/bin"}  # no python of the project's on PATH: the recipe must take .venv's
