@@ -88,7 +88,7 @@ def completion_mask(completion_ids, stop_ids, mask_truncated=False):
 ADVANTAGE_ESTIMATORS = ("grpo", "raft")
 
 
-def group_advantages(rewards, group_size, scale_rewards="group", eps=1e-4, estimator="grpo"):
+def group_advantages(rewards, group_size, scale_rewards="group", eps=1e-4, estimator="grpo", correct=None):
     """A = r - mean_group, divided by a std: the group's ("group", GRPO), the whole batch's
     ("batch", more robust when a group's rewards are nearly equal) or none ("none", Dr. GRPO:
     dividing by a small std weights easy and hard questions up). rewards (B,), group after group.
@@ -97,16 +97,19 @@ def group_advantages(rewards, group_size, scale_rewards="group", eps=1e-4, estim
     and simple_GRPO's value) it shrinks the advantages of rewards that differ by a reward step by under
     0.1% (std 0.18 where one completion of 8 differs by 0.5, the format reward's weight).
 
-    estimator "raft" (RAFT, Dong et al. 2023; with a 0/1 correctness reward, rejection-sampling fine-tuning
-    as in Xiong et al. 2025): A = 1 for each group's best-rewarded completions, 0 for the rest, and 0 for
-    the whole group where every reward is 0. At ratio 1 the loss's gradient is then -grad log pi of the best
-    completions: supervised training on the model's own best answers, with no baseline and no push down.
+    estimator "raft" (RAFT, Dong et al. 2023; rejection-sampling fine-tuning as in Xiong et al. 2025):
+    A = 1 for each correct completion, 0 for the rest; correct (B,) is 1 where a completion earned the
+    correctness reward (not the summed reward: with a format reward in it, "the group's best" would keep the
+    wrong answers of a group where every answer is wrong but well formatted). A group with no correct
+    completion has no signal. At ratio 1 the loss's gradient is then -grad log pi of the correct completions:
+    supervised training on the model's own right answers, with no baseline and no push down.
     Reinforce-Rej (Xiong et al. 2025: drop the all-wrong and all-right groups, A = r - mean) is "grpo" with
     scale_rewards "none": the trainers already drop the groups whose rewards are all alike."""
     r = rewards.view(-1, group_size)
     if estimator == "raft":
-        best = (r == r.max(1, keepdim=True).values) & (r > 0)
-        return best.float().view(-1)
+        if correct is None:
+            raise ValueError("the raft estimator keeps the correct completions: pass correct, 1 for each")
+        return (correct.to(rewards.device) == 1).float().view(-1)
     if estimator != "grpo":
         raise ValueError(f"unknown advantage estimator {estimator!r}: use one of {', '.join(ADVANTAGE_ESTIMATORS)}")
     centred = r - r.mean(1, keepdim=True)
@@ -121,7 +124,7 @@ def group_advantages(rewards, group_size, scale_rewards="group", eps=1e-4, estim
 
 def groups_with_signal(advantages, group_size):
     """(Q,) True for a group with an advantage other than 0: one whose rewards differ (GRPO), or with a
-    best-rewarded completion above 0 (RAFT). The others add no policy gradient (with beta > 0 their KL term would still
+    correct completion (RAFT). The others add no policy gradient (with beta > 0 their KL term would still
     pull towards the reference): the trainers drop them."""
     return (advantages.view(-1, group_size) != 0).any(1)
 

@@ -44,7 +44,7 @@ from simple_grpo.flags import flag, parse_flags
 from simple_grpo.generation.hf_sampler import generate
 from simple_grpo.protocol import reference_logps_from_server, uses_ref_server
 from simple_grpo.reference.fingerprint import check_reference
-from simple_grpo.rollouts import rollout_stats, score_groups
+from simple_grpo.rollouts import correct_rows, rollout_stats, score_groups
 from simple_grpo.run.checkpoints import check_run_dir, open_run, save_checkpoint
 from simple_grpo.run.completions_log import log_batch_completions
 from simple_grpo.run.doctor import RunDoctor, batch_summary
@@ -117,7 +117,8 @@ def main(cfg: Config):
 
         # GRPO 2. score them; group-relative advantages; keep the groups with a non-zero advantage
         rewards, scores = score_groups(texts, batch_problems, G, reward_weights)  # (Q*G,), a breakdown each
-        advantages = group_advantages(rewards, G, cfg.scale_rewards, estimator=cfg.advantage_estimator).float()
+        advantages = group_advantages(rewards, G, cfg.scale_rewards, estimator=cfg.advantage_estimator,
+                                      correct=correct_rows(scores, reward_weights)).float()  # raft: the correct ones
         has_signal = groups_with_signal(advantages, G)  # (Q,): GRPO: the rewards differ
         rollout = rollout_stats(rewards, scores, until_stop, has_signal, gen_s, is_truncated(completion_ids, stop_ids),
                                 pick_accuracy_reward(reward_weights))  # accuracy: the correctness reward trained on

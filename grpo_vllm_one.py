@@ -52,7 +52,7 @@ from simple_grpo.generation.workers import (check_workers, draws_to_resume, loca
                                             stop_workers, take_local_group, wait_for_vllm, watch_parent)
 from simple_grpo.protocol import post_groups, take_group, uses_ref_server
 from simple_grpo.reference.fingerprint import check_reference
-from simple_grpo.rollouts import collate, make_groups, rollout_stats, score_groups
+from simple_grpo.rollouts import collate, correct_rows, make_groups, rollout_stats, score_groups
 from simple_grpo.run.checkpoints import check_run_dir, open_run, save_checkpoint
 from simple_grpo.run.completions_log import log_batch_completions
 from simple_grpo.run.doctor import RunDoctor, batch_summary
@@ -122,7 +122,8 @@ def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
                 "temperature": cfg.temperature, "worker": worker}
         groups, has_signal = make_groups(prompt_rows, completion_ids, until_stop, rewards, G, meta, sampler_logps,
                                          keep_equal=cfg.regroup, scale_rewards=cfg.scale_rewards, scores=scores,
-                                         estimator=cfg.advantage_estimator)
+                                         estimator=cfg.advantage_estimator,
+                                         correct=correct_rows(scores, reward_weights))  # raft: the correct ones
         generated += completion_ids.size(0)
         truncated = is_truncated(completion_ids, stop_ids)  # (Q*G,): cut off at --max_new_tokens
         rollout = {**rollout_stats(rewards, scores, until_stop, has_signal, gen_s, truncated,

@@ -6,7 +6,7 @@ Shapes: Q prompts, G completions each (Q*G rows, group after group), P prompt an
 import torch
 
 from grpo_math import group_advantages, groups_with_signal
-from simple_grpo.task.rewards import score, true_answer
+from simple_grpo.task.rewards import pick_accuracy_reward, score, true_answer
 
 
 def score_groups(completions, problems, G, weights):
@@ -16,15 +16,23 @@ def score_groups(completions, problems, G, weights):
     return torch.tensor([s["reward"] for s in scores]), scores
 
 
+def correct_rows(scores, weights):
+    """(Q*G,) 1.0 for each completion that earned the correctness reward trained on (pick_accuracy_reward),
+    else 0.0: what RAFT trains on."""
+    name = pick_accuracy_reward(weights)
+    return torch.tensor([float(s[name] == 1.0) for s in scores])
+
+
 def make_groups(prompt_rows, completion_ids, until_stop, rewards, G, meta, sampler_logps=None, keep_equal=False,
-                scale_rewards="group", scores=None, estimator="grpo"):
+                scale_rewards="group", scores=None, estimator="grpo", correct=None):
     """One group (tensors, meta) per prompt with a non-zero advantage, ready to post, and has_signal (Q,).
     A group whose advantages are all 0 (GRPO: its rewards are all equal) has no policy-gradient signal,
     though with beta > 0 its KL term would still pull towards the reference. Dropping it is a choice (TRL
     keeps it), which saves its compute; keep_equal keeps it (regroup_ver/ pools it with other answers to the
-    same question). estimator: grpo_math.group_advantages's (grpo or raft). scores: each completion's reward
-    breakdown (task/rewards.py's score), carried in the group's meta for the completions log."""
-    advantages = group_advantages(rewards, G, scale_rewards, estimator=estimator)
+    same question). estimator: grpo_math.group_advantages's (grpo, or raft, which needs correct: correct_rows).
+    scores: each completion's reward breakdown (task/rewards.py's score), carried in the group's meta for the
+    completions log."""
+    advantages = group_advantages(rewards, G, scale_rewards, estimator=estimator, correct=correct)
     has_signal = groups_with_signal(advantages, G)
     groups = []
     for q in torch.nonzero(has_signal | keep_equal).flatten().tolist():

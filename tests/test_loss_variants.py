@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from grpo_math import completion_mask, group_advantages, groups_with_signal, grpo_loss, kl_estimate
+from simple_grpo.rollouts import correct_rows
 
 LOGPS = [[-1.0, -2.0, -0.5], [-0.3, -1.2, -9.0]]
 OLD = [[-1.1, -1.5, -0.5], [-0.3, -1.0, -9.0]]
@@ -143,13 +144,21 @@ def test_unknown_options_name_the_option():
             grpo_loss(logps, old, ref, adv, mask, **kwargs)
 
 
-def test_raft_keeps_each_groups_best_completions_and_none_of_an_all_zero_group():
-    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0,   0.0, 0.0, 0.0, 0.0,   1.0, 1.0, 1.0, 1.0,   0.5, 0.0, 1.5, 1.5])
-    A = group_advantages(rewards, 4, estimator="raft")
-    assert A.tolist() == [1, 0, 1, 0,   0, 0, 0, 0,   1, 1, 1, 1,   0, 0, 1, 1]
+def test_raft_keeps_the_correct_completions_and_none_of_a_group_with_none():
+    """Rewards as the recipe sums them: correctness 1.0 + format 0.5. The last group is all wrong and all well
+    formatted: its rewards are equal and above 0, and RAFT keeps none of it (the best-rewarded of it are wrong)."""
+    rewards = torch.tensor([1.5, 0.5, 1.5, 0.0,   0.0, 0.0, 0.0, 0.0,   1.5, 1.5, 1.5, 1.5,   0.5, 0.5, 0.5, 0.5])
+    scores = [{"reward": r, "correctness": float(r >= 1.0), "format": float(r in (0.5, 1.5))} for r in rewards.tolist()]
+    correct = correct_rows(scores, {"correctness": 1.0, "format": 0.5})
+    A = group_advantages(rewards, 4, estimator="raft", correct=correct)
+    assert A.tolist() == [1, 0, 1, 0,   0, 0, 0, 0,   1, 1, 1, 1,   0, 0, 0, 0]
     # the all-right group has signal for RAFT (supervised on it), none for GRPO (every advantage 0)
-    assert groups_with_signal(A, 4).tolist() == [True, False, True, True]
-    assert groups_with_signal(group_advantages(rewards, 4), 4).tolist() == [True, False, False, True]
+    assert groups_with_signal(A, 4).tolist() == [True, False, True, False]
+    assert groups_with_signal(group_advantages(rewards, 4), 4).tolist() == [True, False, False, False]
+    # the accuracy reward the trainers log decides, not the first reward listed
+    assert correct_rows([{"reward": 1.0, "answer_is": 1.0, "correctness": 0.0}], {"answer_is": 1.0}).tolist() == [1.0]
+    with pytest.raises(ValueError, match="pass correct"):
+        group_advantages(rewards, 4, estimator="raft")
     with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
         group_advantages(rewards, 4, estimator="ppo")
 
@@ -170,7 +179,7 @@ def test_the_raft_loss_is_supervised_training_on_the_kept_completions():
     logps = (-torch.rand(8, 5, generator=g) * 3).requires_grad_()
     mask = torch.tensor([[1, 1, 1, 1, 1]] * 4 + [[1, 1, 0, 0, 0]] * 4, dtype=torch.float)
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
-    A = group_advantages(rewards, 4, estimator="raft")
+    A = group_advantages(rewards, 4, estimator="raft", correct=rewards)
     loss, _ = grpo_loss(logps, logps.detach(), None, A, mask, beta=0.0)
     loss.backward()
     kept = A.bool()

@@ -186,9 +186,8 @@ def test_micro_batches_give_the_whole_batchs_step(zero_stage, loss_type):
     assert parts_stats["skipped_updates"] == whole_stats["skipped_updates"] == 0
 
 
-@pytest.mark.slow
 @pytest.mark.slow  # a whole run (~15 s); RAFT's advantages and loss are checked fast in tests/test_loss_variants.py
-def test_raft_trains_on_the_best_completions_and_refuses_the_regrouping_server():
+def test_raft_trains_on_the_correct_completions_and_refuses_the_regrouping_server():
     from grpo_vllm_one import Config as VllmConfig
     with pytest.raises(SystemExit, match="--advantage_estimator raft with --regroup"):
         check_options(VllmConfig(advantage_estimator="raft", regroup=True))

@@ -22,7 +22,7 @@ GRPO learns from final answers only; the supervised start and the control learn 
 --setting answers: worked solutions for a few problems (smollm2_recipe.FEW_SOLUTIONS, 300), final answers only
 for the rest, as most RL data comes. The start is supervised on the few (a linearly decaying lr, the best dev
 checkpoint; cached); then, from it, on the answers-only problems, the same GRPO recipe, RAFT on the same samples
-(--advantage_estimator raft: supervised training on the model's own best answers each step), and supervised
+(--advantage_estimator raft: supervised training on the model's own correct answers each step), and supervised
 training continued on the few solutions for GRPO's minutes; the table has base, start, GRPO, RAFT, control and
 GRPO's paired gains over the start, RAFT and the control.
 The trainer is stopped at the end, on errors, on Ctrl-C and on SIGTERM.

@@ -31,9 +31,9 @@ class TrainerConfig(TaskConfig):
     epsilon_high: Optional[float] = flag(None, "upper clip (default: epsilon; 0.28 for dapo, 4.0 for cispo)")
     loss_type: str = flag("grpo", "grpo, bnpo, dr_grpo, dapo or cispo: how tokens are averaged (grpo_math.aggregate)")
     importance_sampling_level: str = flag("token", "token, or sequence (GSPO)")
-    advantage_estimator: str = flag("grpo", "grpo: group-relative (r - mean) / std; raft: 1 for each group's "
-                                            "best-rewarded completions, 0 else (RAFT: supervised training on the "
-                                            "model's own best answers; grpo_math.group_advantages)")
+    advantage_estimator: str = flag("grpo", "grpo: group-relative (r - mean) / std; raft: 1 for each correct "
+                                            "completion, 0 else (RAFT: supervised training on the model's own "
+                                            "right answers; grpo_math.group_advantages)")
     scale_rewards: str = flag("", "advantage scale: group, batch or none (default: group; none for dr_grpo)")
     mask_truncated_completions: bool = flag(False, "completions cut off without a stop token get no gradient")
     lr: Optional[float] = flag(None, "AdamW's learning rate; None: the model's, 1e-4 for the tiny default model and "
