@@ -183,10 +183,10 @@ def main(cfg: Config):
             break
 
     finish_run(run_dir, step if stop else cfg.steps, 0, tracker)
-    leave_process_group()
     if stop:
         raise SystemExit(stop)
 
 
 if __name__ == "__main__":
     main(parse_flags(Config, __doc__))
+    leave_process_group()  # the process ends (here, not in main(): main() stays callable again in one process)

@@ -271,10 +271,10 @@ def main(cfg: Config):
     finally:
         stop_workers(workers)
     finish_run(run_dir, step, rank, tracker)
-    leave_process_group()
     if stop:
         raise SystemExit(stop)
 
 
 if __name__ == "__main__":
     main(parse_flags(Config, __doc__))
+    leave_process_group()  # the process ends (here, not in main(): main() stays callable again in one process)

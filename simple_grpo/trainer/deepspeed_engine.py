@@ -61,8 +61,11 @@ def make_engine(cfg):
 
 
 def leave_process_group():
-    """End of a run: this rank leaves the process group DeepSpeed made. Where one is left open, NCCL warns at
-    exit that it can leak resources (seen on an H100: docs/gpu_notes.md)."""
+    """End of a trainer's process: this rank leaves the process group DeepSpeed made. Where one is left open,
+    NCCL warns at exit that it can leak resources (seen on an H100: docs/gpu_notes.md). Not at the end of
+    main(): DeepSpeed keeps its handle on the group, and a second run in the same process (the tests, a
+    notebook) would find it destroyed. After a run that ended well only: where a rank stops on an error, the
+    others may still be inside a collective, and NCCL's teardown could then wait on them."""
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
