@@ -101,7 +101,6 @@ def main(cfg: Config):
         bar.set_description_str(f"waiting for the ref server's log-probs: group {group + 1} ({waited_s:.0f} s, "
                                 f"gives up after {cfg.ref_timeout:.0f} s)")
 
-    stop = None  # the run doctor's reason to end the run early, once it gives one
     bar = tqdm(range(first_step, cfg.steps + 1), desc="grpo", initial=first_step - 1, total=cfg.steps)
     for step in bar:
         t0 = time.time()
@@ -180,11 +179,10 @@ def main(cfg: Config):
         if step % cfg.save_every == 0 or step == cfg.steps or stop:
             save_checkpoint(engine, tokenizer, run_dir, step, {"data_rng": rng.getstate()})
         if stop:
-            break
+            finish_run(run_dir, step, 0, tracker)
+            raise SystemExit(stop)
 
-    finish_run(run_dir, step if stop else cfg.steps, 0, tracker)
-    if stop:
-        raise SystemExit(stop)
+    finish_run(run_dir, cfg.steps, 0, tracker)
 
 
 if __name__ == "__main__":
