@@ -1,6 +1,6 @@
 """What evaluate.py and the tools share to measure a model: completions from transformers or vLLM, the
 rates they score (the training rewards), each problem's scores, the paired gain between two models on
-the same problems, and the context length a generation needs."""
+the same problems, a figure's interval across seeds, and the context length a generation needs."""
 import json
 import math
 import os
@@ -122,6 +122,23 @@ def paired_gain(before, after, key="correctness"):
     half = 1.96 * sd / math.sqrt(n)
     return {"gain": gain, "ci95": [gain - half, gain + half], "n": n,
             "won": sum(d > 0 for d in diffs), "lost": sum(d < 0 for d in diffs)}
+
+
+# Student's t, two-sided 95%, by degrees of freedom (seeds - 1): an interval across a handful of seeds is
+# much wider than +-1.96 standard errors would say.
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def across_seeds(values):
+    """The mean of one figure over seeds (a value per seed) with its 95% interval across them: mean +- t x
+    the standard error, t from T95 (1.96 past 11 seeds). One seed has no interval: refused."""
+    n = len(values)
+    if n < 2:
+        raise ValueError(f"an interval across seeds needs 2 or more seeds, got {n}")
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = T95.get(n - 1, 1.96) * sd / math.sqrt(n)
+    return {"mean": mean, "ci95": [mean - half, mean + half], "seeds": n}
 
 
 def context_length(tokenizer, prompts, max_new_tokens, model_dir):

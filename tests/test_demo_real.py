@@ -72,6 +72,8 @@ def test_the_answers_setting_runs_end_to_end_in_short(smollm2):  # noqa: F811
         assert report[f"gain_vs_{other}"]["accuracy"] == pytest.approx(
             report["grpo"]["accuracy"] - report[other]["accuracy"], abs=1e-3)
     run_dir = os.path.join(ROOT, "runs", run)
+    with open(os.path.join(run_dir, "report.json")) as f:
+        assert json.load(f) == report  # the printed JSON line, kept for tools/seed_table.py
     with open(os.path.join(run_dir, "answers_only.jsonl")) as f:
         first = json.loads(f.readline())
     assert first["answer"].startswith("#### ") and "<<" not in first["answer"]  # no worked solution in it

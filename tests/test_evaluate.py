@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from simple_grpo.evaluation import paired_gain, print_before_after, read_details, summarize, write_details
+from simple_grpo.evaluation import across_seeds, paired_gain, print_before_after, read_details, summarize, write_details
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,6 +74,42 @@ def test_paired_gain_is_the_mean_difference_with_its_interval():
     assert gain["ci95"] == pytest.approx([0.25 - half, 0.25 + half])
     with pytest.raises(ValueError, match="not on the same problems"):
         paired_gain(before, after[::-1])
+
+
+def test_across_seeds_is_the_mean_with_a_t_interval():
+    figure = across_seeds([0.02, 0.06, 0.04])
+    # mean 0.04, standard deviation 0.02, standard error 0.02 / sqrt(3); t with 2 degrees of freedom 4.303
+    half = 4.303 * 0.02 / math.sqrt(3)
+    assert figure["mean"] == pytest.approx(0.04) and figure["seeds"] == 3
+    assert figure["ci95"] == pytest.approx([0.04 - half, 0.04 + half])
+    with pytest.raises(ValueError, match="2 or more seeds"):
+        across_seeds([0.5])
+
+
+def test_seed_table_pairs_each_seed_and_reads_across_them(tmp_path):
+    """tools/seed_table.py on two seeds' evaluations of four problems: a model that gains 1 and 2 problems."""
+    def write(run, name, correct):
+        with open(tmp_path / run / f"eval_{name}.jsonl", "w") as f:
+            for i, c in enumerate(correct):
+                f.write(json.dumps({"question": f"q{i}", "scores": [{"correctness": c, "strict": c}]}) + "\n")
+    for run, grpo in (("seed0", [1, 1, 0, 0]), ("seed1", [1, 1, 1, 0])):
+        (tmp_path / run).mkdir()
+        write(run, "start", [1, 0, 0, 0])
+        write(run, "grpo", grpo)
+    out = subprocess.run([sys.executable, "tools/seed_table.py", str(tmp_path / "seed0"), str(tmp_path / "seed1"),
+                          "--models", "start,grpo", "--against", "start"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["accuracy"]["grpo"]["per_seed"] == [0.5, 0.75]
+    gain = report["gains"]["start"]
+    assert [g["gain"] for g in gain["per_seed"]] == [0.25, 0.5] and gain["mean"] == pytest.approx(0.375)
+    half = 12.706 * 0.125 / math.sqrt(2) * math.sqrt(2)  # standard deviation 0.125 * sqrt(2) of two gains
+    assert gain["ci95"] == pytest.approx([0.375 - half, 0.375 + half])
+    assert "| start | +25.0" in out.stdout
+    missing = subprocess.run([sys.executable, "tools/seed_table.py", str(tmp_path / "seed0"), str(tmp_path / "seed1")],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert missing.returncode != 0 and "eval_base.jsonl not found" in missing.stderr
 
 
 def test_an_answer_prefix_starts_every_answer_and_is_scored_with_it(tmp_path):

@@ -16,7 +16,8 @@ training does, on this CPU?
 7. prints a table, GRPO's paired gains (the same problems, with 95% intervals) against "before" and against
    the control, and one last JSON line {"base", "before", "control", "after", "gain_vs_before",
    "gain_vs_control", "grpo_minutes", "minutes"}; beside math-verify's accuracy, each row and gain has the
-   strict one (accuracy_strict: a plain integer in the <answer> tags, simple_grpo/task/rewards.py).
+   strict one (accuracy_strict: a plain integer in the <answer> tags, simple_grpo/task/rewards.py); the same
+   report is written to runs/demo_real_seedN/report.json.
 GRPO learns from final answers only; the supervised start and the control learn from worked solutions.
 
 --setting answers: worked solutions for a few problems (smollm2_recipe.FEW_SOLUTIONS, 300), final answers only
@@ -142,6 +143,7 @@ def main():
     report["grpo_minutes"] = round(grpo_minutes, 2)
     report["minutes"] = round((time.time() - t0) / 60, 2)
     print_before_after(report, MODELS, summary(report, run_name))
+    write_report(report, run_dir)
 
 
 ANSWERS_MODELS = ("base", "start", "control", "raft", "grpo")
@@ -210,6 +212,14 @@ def answers_demo(args):
                  f"final answers of the other {len(train) - FEW_SOLUTIONS}. GRPO trained {minutes['grpo']:.1f} "
                  f"minutes, RAFT {minutes['raft']:.1f}; the demo took {report['minutes']:.1f}.")
     print_before_after(report, ANSWERS_MODELS, "\n".join(lines))
+    write_report(report, run_dir)
+
+
+def write_report(report, run_dir):
+    """The JSON line the demo prints last, kept in the run directory too (tools/seed_table.py reads the
+    evaluations beside it)."""
+    with open(os.path.join(run_dir, "report.json"), "w") as f:
+        json.dump(report, f, indent=1)
 
 
 def gain_line(other, g):
