@@ -21,8 +21,9 @@ demo: install
 # SmolLM2-135M-Instruct: fetch (cached), the best supervised start (cached), probe, GRPO with LoRA, the supervised
 # control for GRPO's minutes, one table with GRPO's paired gains (tools/demo_real.py)
 # SETTING=answers: worked solutions for 300 problems only, final answers for the rest; GRPO against RAFT
+# START_SEED=1: another supervised start (its own problem draws), cached apart
 demo-real: smollm2
-	$(PY) tools/demo_real.py --seed $(SEED) $(if $(SETTING),--setting $(SETTING))
+	$(PY) tools/demo_real.py --seed $(SEED) $(if $(SETTING),--setting $(SETTING)) $(if $(START_SEED),--start_seed $(START_SEED))
 
 test: install
 	$(PY) -m pytest -q -m "not slow and not gpu"

@@ -1,4 +1,5 @@
-"""make demo-real, short: SmolLM2-135M-Instruct through every stage of tools/demo_real.py (slow).
+"""make demo-real, short: SmolLM2-135M-Instruct through every stage of tools/demo_real.py (slow; the start's
+flags, fast).
 
     python -m pytest -q -m slow tests/test_demo_real.py
 
@@ -17,9 +18,25 @@ import pytest
 from tests.test_smollm2 import smollm2  # noqa: F401 - the converted model fixture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # the warm start alone is ~6 minutes when not cached
+WHOLE = pytest.mark.timeout(2400)  # the warm start alone is ~6 minutes when not cached
 
 
+def test_another_start_seed_is_another_start_cached_apart():
+    from tools.demo_real import start_flags, start_tag
+    from simple_grpo.run.smollm2_recipe import FEW_START_FLAGS
+
+    class Args:
+        warm_start_flags, start_seed = None, 0
+    assert start_flags(Args, FEW_START_FLAGS) == FEW_START_FLAGS and start_tag(Args) == ""  # the cache key kept
+    Args.start_seed = 1
+    assert start_flags(Args, FEW_START_FLAGS) == [*FEW_START_FLAGS, "--seed", "1"]  # another cache directory
+    assert start_tag(Args) == "_start1"
+    Args.warm_start_flags = "--steps 8"
+    assert start_flags(Args, FEW_START_FLAGS) == ["--steps", "8", "--seed", "1"]
+
+
+@pytest.mark.slow
+@WHOLE
 def test_demo_real_runs_end_to_end_in_short(smollm2):  # noqa: F811
     run = "test_demo_real"
     short_start = "--batch_size 8 --lr 1e-4 --in_format_share 1.0 --steps 8 --eval_every 4 --dev_n 16"
@@ -51,6 +68,8 @@ def test_demo_real_runs_end_to_end_in_short(smollm2):  # noqa: F811
         assert os.path.isfile(os.path.join(run_dir, name)), name
 
 
+@pytest.mark.slow
+@WHOLE
 def test_the_answers_setting_runs_end_to_end_in_short(smollm2):  # noqa: F811
     """--setting answers: a short start on the few solutions, 2 steps each of GRPO and RAFT on the answers-only
     problems, the control, five evaluations and GRPO's three paired gains, on 16 test problems."""

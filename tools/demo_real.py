@@ -48,6 +48,17 @@ KEEP = ("accuracy", "accuracy_strict", "format_rate", "accuracy_in_format", "mea
 MODELS = ("base", "before", "control", "after")
 
 
+def start_flags(args, recipe):
+    """tools/warm_start.py's flags for the start: --warm_start_flags, else the recipe's; --start_seed K > 0 adds
+    --seed K (seed 0 adds nothing, so the default start keeps its cache key)."""
+    flags = args.warm_start_flags.split() if args.warm_start_flags is not None else list(recipe)
+    return flags + (["--seed", str(args.start_seed)] if args.start_seed else [])
+
+
+def start_tag(args):
+    return f"_start{args.start_seed}" if args.start_seed else ""
+
+
 def run(cmd, env, what):
     """A step of the demo as a child process, stopped with us; its failure stops the demo naming it."""
     proc = subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env=env)
@@ -74,10 +85,13 @@ def main():
                                                         "control's draws")
     ap.add_argument("--steps", type=int, default=STEPS, help="GRPO steps")
     ap.add_argument("--n", type=int, default=500, help="held-out test problems evaluated (500: all)")
-    ap.add_argument("--run_name", default=None, help="default: demo_real_seedN")
+    ap.add_argument("--run_name", default=None, help="default: demo_real_seedN (demo_answers_seedN with --setting answers)")
     ap.add_argument("--warm_start_flags", default=None,
                     help="tools/warm_start.py flags for the supervised start, as one string (default: the "
                          "recipe's, to the dev plateau); the tests give a short one")
+    ap.add_argument("--start_seed", type=int, default=0,
+                    help="seed of the supervised start's problem draws: another seed, another start (cached apart; "
+                         "its runs are named demo_*_startK_seedN)")
     ap.add_argument("--setting", default="solutions", choices=["solutions", "answers"],
                     help="solutions: worked solutions for every training problem; answers: for a few only, final "
                          "answers for the rest (GRPO against RAFT and supervised training)")
@@ -85,7 +99,7 @@ def main():
     args = ap.parse_args()
     if args.setting == "answers":
         return answers_demo(args)
-    run_name = args.run_name or f"demo_real_seed{args.seed}"
+    run_name = args.run_name or f"demo_real{start_tag(args)}_seed{args.seed}"
     run_dir = os.path.join(ROOT, "runs", run_name)
     # two busy processes on two cores: OpenMP threads must sleep, not spin, while they wait
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
@@ -95,7 +109,7 @@ def main():
 
     print("\n== 1/6 SmolLM2-135M-Instruct (fetched and converted once), and its best supervised start "
           "(cached)", flush=True)
-    warm_flags = args.warm_start_flags.split() if args.warm_start_flags is not None else WARM_START_FLAGS
+    warm_flags = start_flags(args, WARM_START_FLAGS)
     base, before = smollm2_warm_start(env, warm_flags)
     with open(os.path.join(ROOT, before, "warm_start.json")) as f:
         best = json.load(f)["best"]
@@ -151,7 +165,7 @@ ANSWERS_MODELS = ("base", "start", "control", "raft", "grpo")
 
 def answers_demo(args):
     """--setting answers: the start from a few worked solutions, then GRPO, RAFT and supervised training."""
-    run_name = args.run_name or f"demo_answers_seed{args.seed}"
+    run_name = args.run_name or f"demo_answers{start_tag(args)}_seed{args.seed}"
     run_dir = os.path.join(ROOT, "runs", run_name)
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -169,7 +183,7 @@ def answers_demo(args):
 
     print(f"\n== 2/5 SmolLM2-135M-Instruct and its start: supervised on the {FEW_SOLUTIONS} solutions (cached)",
           flush=True)
-    warm_flags = args.warm_start_flags.split() if args.warm_start_flags is not None else FEW_START_FLAGS
+    warm_flags = start_flags(args, FEW_START_FLAGS)
     base, start = smollm2_warm_start(env, warm_flags)
     with open(os.path.join(ROOT, start, "warm_start.json")) as f:
         record = json.load(f)
