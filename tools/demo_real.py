@@ -85,7 +85,9 @@ def main():
                                                         "control's draws")
     ap.add_argument("--steps", type=int, default=STEPS, help="GRPO steps")
     ap.add_argument("--n", type=int, default=500, help="held-out test problems evaluated (500: all)")
-    ap.add_argument("--run_name", default=None, help="default: demo_real_seedN (demo_answers_seedN with --setting answers)")
+    ap.add_argument("--run_name", default=None,
+                    help="default: demo_real_seedN (demo_answers_seedN with --setting answers; _startK before _seed "
+                         "with --start_seed K)")
     ap.add_argument("--warm_start_flags", default=None,
                     help="tools/warm_start.py flags for the supervised start, as one string (default: the "
                          "recipe's, to the dev plateau); the tests give a short one")
