@@ -95,6 +95,27 @@ def test_a_deepspeed_file_wins_takes_auto_from_the_flags_and_names_a_conflict(tm
     assert quiet == []
 
 
+def test_a_deepspeed_file_with_gradient_accumulation_is_refused(tmp_path):
+    """engine.step() would take the optimizer step only every 2nd call: the update loop expects one each."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"gradient_accumulation_steps": 2}))
+    with pytest.raises(SystemExit, match="gradient_accumulation_steps 2: the trainers call engine.step"):
+        deepspeed_config(Config(deepspeed=str(path)), Config())
+
+
+def test_a_deepspeed_file_changing_the_optimizer_clipping_or_schedule_is_named(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"optimizer": {"params": {"weight_decay": 0.1}}, "gradient_clipping": 0.5,
+                                "scheduler": {"type": "WarmupLR"}}))
+    _, notes = deepspeed_config(Config(deepspeed=str(path)), Config())
+    where = "(trainer/deepspeed_config.py's flag_config)"
+    assert notes == [f"--deepspeed {path}: optimizer.params.weight_decay = 0.1 from the file, where the trainers set "
+                     f"0.0 {where}",
+                     f"--deepspeed {path}: gradient_clipping = 0.5 from the file, where the trainers set 1.0 {where}",
+                     f"--deepspeed {path}: scheduler = {{'type': 'WarmupLR'}} from the file, where the trainers set "
+                     f"none {where}"]
+
+
 def test_bad_precision_and_deepspeed_options_are_named(tmp_path):
     with pytest.raises(SystemExit, match="unknown --dtype 'fp8'"):
         deepspeed_config(Config(dtype="fp8"))

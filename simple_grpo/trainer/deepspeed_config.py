@@ -5,7 +5,12 @@
 
 A file's values win over the flags, except "auto", which takes the flag's value (the convention
 of transformers' and TRL's DeepSpeed integration). Where a flag was set to something other than
-its default and the file says otherwise, the run says which value it uses.
+its default and the file says otherwise, the run says which value it uses. It also names each change the
+file makes to the optimizer, the gradient clipping or the scheduler (none: the lr is constant), which
+flag_config below sets and no flag changes. A file with gradient_accumulation_steps above 1 is refused:
+the trainers call engine.step() once per update and expect one optimizer step from each call, which
+DeepSpeed would then take only once every k calls (--micro_batch_groups splits an update into passes
+with one step).
 
 One engine.step() (trainer/update.py's optimizer_step calls it) clips the gradients to a global 2-norm of
 gradient_clipping (1.0), takes one AdamW step (lr --lr, constant: no scheduler; betas 0.9, 0.99; eps 1e-8,
@@ -19,6 +24,7 @@ import json
 import os
 
 DTYPES = ("float32", "bfloat16")
+FIXED = ("optimizer", "gradient_clipping", "scheduler")  # what flag_config sets and no flag changes
 
 
 def flag_config(cfg):
@@ -45,8 +51,8 @@ def merge(base, override, path="", notes=None):
         if isinstance(value, dict) and isinstance(base.get(key), dict):
             merged[key] = merge(base[key], value, where, notes)[0]
         elif value != "auto":
-            if key in base and base[key] != value:
-                notes.append((where, base[key], value))
+            if base.get(key, None) != value:  # a key base lacks: its value was None
+                notes.append((where, base.get(key), value))
             merged[key] = value
     return merged, notes
 
@@ -74,11 +80,20 @@ def deepspeed_config(cfg, defaults=None):
         raise SystemExit(f"--deepspeed {cfg.deepspeed}: fp16 is not supported (its loss scaling is not wired in); "
                          "use bf16")
     merged, notes = merge(base, override)
+    steps = merged.get("gradient_accumulation_steps")
+    if steps != 1:
+        raise SystemExit(f"--deepspeed {cfg.deepspeed}: gradient_accumulation_steps {steps!r}: the trainers call "
+                         "engine.step() once per update and expect one optimizer step from each call, which DeepSpeed "
+                         f"would then take only once every {steps} calls; set it to 1 or \"auto\" "
+                         "(--micro_batch_groups splits an update into passes with one optimizer step)")
     set_by_user = flag_config(defaults) if defaults is not None else base
     _, user_notes = merge(set_by_user, base)  # the values the flags changed from their defaults
     changed = {key for key, _, _ in user_notes}
     lines = [f"--deepspeed {cfg.deepspeed}: {key} = {new!r} from the file, not {old!r} from the flags"
              for key, old, new in notes if key in changed]
+    lines += [f"--deepspeed {cfg.deepspeed}: {key} = {new!r} from the file, where the trainers set "
+              f"{'none' if old is None else repr(old)} (trainer/deepspeed_config.py's flag_config)"
+              for key, old, new in notes if key.startswith(FIXED) and key not in changed | {"optimizer.params.lr"}]
     return merged, lines
 
 
