@@ -26,6 +26,8 @@ Every step, in order: the worker's `# GRPO 1.` sample, `2.` score and group, the
 Read the lines marked `# GRPO n.` for the algorithm (the loss itself: grpo_math.py); the rest is
 plumbing from simple_grpo/: the worker processes (generation/workers.py), the weight channel
 (generation/weight_sync.py), the waits (generation/progress.py), the run doctor (run/doctor.py).
+At start it prints each default it derived from the other flags (trainer/config.py's check_options);
+runs/NAME/config.json holds every flag as resolved.
 """
 import dataclasses
 import logging

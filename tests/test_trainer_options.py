@@ -109,6 +109,43 @@ def test_the_default_lr_fits_the_model_and_a_given_lr_is_kept():
     assert (tiny.lr, by_path.lr, other.lr, given.lr) == (1e-4, 1e-4, 1e-6, 3e-5)
 
 
+def test_the_tiny_models_lr_is_its_own_from_any_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = Config(model=TINY, dataset=os.path.join(ROOT, "data", "toy_math", "train.jsonl"))
+    check_options(cfg)
+    assert cfg.lr == 1e-4
+
+
+def test_each_derived_default_is_printed_with_why(capsys):
+    check_options(Config(model="Qwen/Qwen2.5-0.5B", loss_type="dapo"))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["defaults derived for the flags left unset (runs/RUN_NAME/config.json holds every flag as "
+                     "resolved):",
+                     "  epsilon_high 0.28: --loss_type dapo's upper clip",
+                     "  scale_rewards group: each group's reward std divides its advantages",
+                     "  lr 1e-06: the default for a model other than the tiny one",
+                     "  ref_url http://127.0.0.1:59875: the default reference server (python ref_server.py), for "
+                     "--beta 0.04's KL term"]
+
+
+def test_flags_the_user_set_are_not_printed_as_derived(capsys):
+    check_options(Config(epsilon_high=0.3, scale_rewards="batch", lr=1e-5, ref_url="http://127.0.0.1:9"))
+    assert "derived" not in capsys.readouterr().out
+
+
+def test_a_deepspeed_files_precision_stage_and_lr_print_as_derived(tmp_path, capsys):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
+                                "optimizer": {"params": {"lr": 3e-5}}}))
+    cfg = Config(deepspeed=str(path))
+    check_options(cfg)
+    out = capsys.readouterr().out
+    assert (cfg.dtype, cfg.zero_stage, cfg.lr) == ("bfloat16", 2, 3e-5)
+    for line in (f"  lr 3e-05: from --deepspeed {path}", f"  zero_stage 2: from --deepspeed {path}",
+                 f"  dtype bfloat16: from --deepspeed {path}"):
+        assert line in out.splitlines()
+
+
 def test_num_iterations_reuses_the_rollouts_and_the_second_ratio_is_the_first_steps_move():
     """Iteration 1 is on-policy (ratio 1); iteration 2 uses iteration 1's log-probs as old_logps,
     so its ratio is exp(logp after one step - logp before). The one-step policy comes from a

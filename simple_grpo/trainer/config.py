@@ -4,6 +4,7 @@ Each script's Config extends TrainerConfig with the flags that are its own (grpo
 generation worker's, simple_grpo/generation/config.py); check_options fills in the defaults that depend
 on other flags and refuses bad values before the slow start-up.
 """
+import multiprocessing
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -16,6 +17,8 @@ from simple_grpo.run.metrics import Tracker
 from simple_grpo.task.config import TINY_MODEL, TaskConfig, check_task
 from simple_grpo.trainer.deepspeed_config import deepspeed_config, uses_bf16, zero_stage
 from triton_loss import check_loss_impl
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @dataclass
@@ -95,12 +98,20 @@ class TrainerConfig(TaskConfig):
 
 def check_options(cfg):
     """Fill in the defaults that depend on other options and reject bad values early, before
-    the slow start-up. Returns the reward weights {name: weight} (a reward file adds names)."""
+    the slow start-up. Each value it fills in for a flag the user left unset is printed once, with
+    why (rank 0's trainer process), and the trainers write cfg as filled in to runs/NAME/config.json.
+    Returns the reward weights {name: weight} (a reward file adds names)."""
+    derived = {}  # flag -> (value, why): the defaults filled in below, printed at the end
     if cfg.loss_type not in LOSS_TYPES:
         raise SystemExit(f"unknown --loss_type {cfg.loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
     if cfg.epsilon_high is None:
         cfg.epsilon_high = {"dapo": 0.28, "cispo": 4.0}.get(cfg.loss_type, cfg.epsilon)
-    cfg.scale_rewards = cfg.scale_rewards or ("none" if cfg.loss_type == "dr_grpo" else "group")
+        derived["epsilon_high"] = (cfg.epsilon_high, f"--loss_type {cfg.loss_type}'s upper clip"
+                                   if cfg.loss_type in ("dapo", "cispo") else "--epsilon's value: a symmetric clip")
+    if not cfg.scale_rewards:
+        cfg.scale_rewards = "none" if cfg.loss_type == "dr_grpo" else "group"
+        derived["scale_rewards"] = (cfg.scale_rewards, "--loss_type dr_grpo's: advantages are not divided by a std"
+                                    if cfg.loss_type == "dr_grpo" else "each group's reward std divides its advantages")
     for name, allowed in (("scale_rewards", ("group", "batch", "none")), ("kl_estimator", ("k1", "k2", "k3")),
                           ("advantage_estimator", ADVANTAGE_ESTIMATORS),
                           ("importance_sampling_level", ("token", "sequence"))):
@@ -112,10 +123,14 @@ def check_options(cfg):
     if cfg.use_peft:
         check_lora(cfg)
     lr_given = cfg.lr is not None
-    cfg.lr = cfg.lr if lr_given else default_lr(cfg.model)
-    # the ref server holds the reference model; with LoRA the trainer's own base is it (regrouping still
-    # needs the server's pools)
-    cfg.ref_url = cfg.ref_url or ("" if cfg.use_peft and not getattr(cfg, "regroup", False) else DEFAULT_REF_URL)
+    if not lr_given:
+        cfg.lr = default_lr(cfg.model)
+        derived["lr"] = (cfg.lr, "the default for the tiny model" if is_tiny(cfg.model) else
+                         "the default for a model other than the tiny one" +
+                         ("; LoRA adapters usually want ~1e-4" if cfg.use_peft else ""))
+    if not cfg.ref_url:  # whether a reference server is used follows from it (protocol.uses_ref_server)
+        cfg.ref_url, why = default_ref_url(cfg)
+        derived["ref_url"] = (cfg.ref_url or "(none)", why)
     check_loss_impl(cfg.loss_impl)  # triton where Triton cannot run stops here
     reward_weights = check_task(cfg)  # the model, data, reward and sampling flags (task.py)
     parse_stop_on(cfg.stop_on)
@@ -124,18 +139,51 @@ def check_options(cfg):
     # defaults tell the flags the user set from the rest (an lr not given: this model's default)
     defaults = type(cfg)(lr=None if lr_given else cfg.lr)
     ds_config, notes = deepspeed_config(cfg, defaults)
-    for note in notes:
-        print(note)
-    cfg.zero_stage, cfg.dtype = zero_stage(ds_config), "bfloat16" if uses_bf16(ds_config) else "float32"
-    cfg.lr = ds_config.get("optimizer", {}).get("params", {}).get("lr", cfg.lr)
+    from_file = {"zero_stage": zero_stage(ds_config), "dtype": "bfloat16" if uses_bf16(ds_config) else "float32",
+                 "lr": ds_config.get("optimizer", {}).get("params", {}).get("lr", cfg.lr)}
+    for name, value in from_file.items():  # a flag the user left at its default, which the file sets
+        if value != getattr(cfg, name) and getattr(cfg, name) == getattr(defaults, name):
+            derived[name] = (value, f"from --deepspeed {cfg.deepspeed}")
+        setattr(cfg, name, value)
+    if first_process():
+        for note in notes:
+            print(note)
+        if derived:
+            print("defaults derived for the flags left unset (runs/RUN_NAME/config.json holds every flag as resolved):")
+        for name, (value, why) in derived.items():
+            print(f"  {name} {f'{value:g}' if isinstance(value, float) else value}: {why}")
     return reward_weights
+
+
+def default_ref_url(cfg):
+    """--ref_url's default, and why: the ref server holds the reference model; with LoRA the trainer's own
+    base is it (regrouping still needs the server's pools)."""
+    if getattr(cfg, "regroup", False):
+        return DEFAULT_REF_URL, "the default reference server: --regroup's pools live there"
+    if cfg.use_peft:
+        return "", ("--use_peft: the base model with its adapters off is the reference, no server" if cfg.beta != 0
+                    else "--beta 0 has no KL term, so no reference")
+    if cfg.beta == 0:
+        return DEFAULT_REF_URL, "the default, unused: --beta 0 has no KL term, so no reference server is asked"
+    return DEFAULT_REF_URL, f"the default reference server (python ref_server.py), for --beta {cfg.beta:g}'s KL term"
+
+
+def first_process():
+    """Whether this is rank 0's trainer process, where start-up lines print once (not the other ranks,
+    not grpo_vllm_one.py's generation workers, which run check_options again)."""
+    return os.environ.get("RANK", "0") == "0" and multiprocessing.parent_process() is None
 
 
 def default_lr(model):
     """--lr's default: 1e-4 for the tiny default model (docs/tuning.md: 2e-4 learned slower, 5e-4 collapsed);
     1e-6, TRL's, for any other, as a pretrained model trained in full wants: Adam's first steps move every
     weight by about lr, and 1e-4 took SmolLM2-135M's KL to the reference to 239 in one update."""
-    return 1e-4 if os.path.realpath(model) == os.path.realpath(TINY_MODEL) else 1e-6
+    return 1e-4 if is_tiny(model) else 1e-6
+
+
+def is_tiny(model):
+    """Whether model is this repository's tiny model, whatever the working directory."""
+    return os.path.realpath(model) == os.path.realpath(os.path.join(REPOSITORY, TINY_MODEL))
 
 
 def check_lora(cfg):
