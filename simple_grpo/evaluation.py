@@ -110,12 +110,13 @@ def read_details(path):
 
 
 def paired_gain(before, after, key="correctness"):
-    """The gain in `key` from one model to another on the same problems (write_details rows, first
-    completion of each), with its 95% interval: mean of the per-problem differences +- 1.96 standard
-    errors (a paired comparison: each problem is its own control)."""
+    """The gain in `key` from one model to another on the same problems (write_details rows; a problem's score
+    is the mean over its completions, its one greedy completion's score when greedy), with its 95% interval:
+    mean of the per-problem differences +- 1.96 standard errors (a paired comparison: each problem is its own
+    control)."""
     if [r["question"] for r in before] != [r["question"] for r in after]:
         raise ValueError("the two evaluations are not on the same problems in the same order")
-    diffs = [a["scores"][0][key] - b["scores"][0][key] for b, a in zip(before, after)]
+    diffs = [problem_score(a, key) - problem_score(b, key) for b, a in zip(before, after)]
     n = len(diffs)
     gain = sum(diffs) / n
     sd = math.sqrt(sum((d - gain) ** 2 for d in diffs) / (n - 1)) if n > 1 else 0.0
@@ -124,20 +125,60 @@ def paired_gain(before, after, key="correctness"):
             "won": sum(d > 0 for d in diffs), "lost": sum(d < 0 for d in diffs)}
 
 
-# Student's t, two-sided 95%, by degrees of freedom (seeds - 1): an interval across a handful of seeds is
-# much wider than +-1.96 standard errors would say.
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+def problem_score(row, key="correctness"):
+    """One write_details row's score in `key`: the mean over all its completions."""
+    return sum(s[key] for s in row["scores"]) / len(row["scores"])
+
+
+def details_accuracy(rows, key="correctness"):
+    """The mean of `key` over every completion of every problem in write_details rows: summarize()'s accuracy
+    (key="correctness") or accuracy_strict (key="strict"), read back from a details file."""
+    return sum(s[key] for r in rows for s in r["scores"]) / sum(len(r["scores"]) for r in rows)
+
+
+def t_coverage(t, df):
+    """P(|T| < t) for Student's t with df degrees of freedom (an integer >= 1), in closed form (Abramowitz and
+    Stegun 26.7.3-4): with theta = atan(t / sqrt(df)), a finite sum of powers of cos(theta)."""
+    theta = math.atan(t / math.sqrt(df))
+    cos2, total, term = math.cos(theta) ** 2, 1.0, 1.0
+    if df % 2 == 0:  # sin(theta) (1 + cos^2/2 + 1*3 cos^4/(2*4) + ... up to cos^(df-2))
+        for j in range(1, df // 2):
+            term *= cos2 * (2 * j - 1) / (2 * j)
+            total += term
+        return math.sin(theta) * total
+    if df == 1:
+        return 2 * theta / math.pi
+    for j in range(1, (df - 1) // 2):  # 2/pi (theta + sin cos (1 + 2 cos^2/3 + 2*4 cos^4/(3*5) + ... up to cos^(df-3)))
+        term *= cos2 * (2 * j) / (2 * j + 1)
+        total += term
+    return 2 / math.pi * (theta + math.sin(theta) * math.cos(theta) * total)
+
+
+def t_quantile(coverage, df):
+    """The t with P(|T| < t) = coverage for df degrees of freedom (t_quantile(0.95, 2) = 4.303), found by
+    bisection on t_coverage, which rises with t."""
+    if not 0 < coverage < 1 or df < 1 or df != int(df):
+        raise ValueError(f"t_quantile needs 0 < coverage < 1 and an integer df >= 1, got {coverage}, {df}")
+    low, high = 0.0, 1.0
+    while t_coverage(high, int(df)) < coverage:
+        high *= 2
+    for _ in range(100):
+        mid = (low + high) / 2
+        low, high = (mid, high) if t_coverage(mid, int(df)) < coverage else (low, mid)
+    return (low + high) / 2
 
 
 def across_seeds(values):
     """The mean of one figure over seeds (a value per seed) with its 95% interval across them: mean +- t x
-    the standard error, t from T95 (1.96 past 11 seeds). One seed has no interval: refused."""
+    the standard error, t the 95% two-sided quantile of Student's t with seeds - 1 degrees of freedom (4.30 for
+    3 seeds, 2.14 for 15: a handful of seeds needs a much wider interval than +-1.96). One seed has no
+    interval: refused."""
     n = len(values)
     if n < 2:
         raise ValueError(f"an interval across seeds needs 2 or more seeds, got {n}")
     mean = sum(values) / n
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    half = T95.get(n - 1, 1.96) * sd / math.sqrt(n)
+    half = t_quantile(0.95, n - 1) * sd / math.sqrt(n)
     return {"mean": mean, "ci95": [mean - half, mean + half], "seeds": n}
 
 

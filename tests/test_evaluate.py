@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from simple_grpo.evaluation import across_seeds, paired_gain, print_before_after, read_details, summarize, write_details
+from simple_grpo.evaluation import (across_seeds, details_accuracy, paired_gain, print_before_after, read_details,
+                                    summarize, t_quantile, write_details)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -78,38 +79,114 @@ def test_paired_gain_is_the_mean_difference_with_its_interval():
 
 def test_across_seeds_is_the_mean_with_a_t_interval():
     figure = across_seeds([0.02, 0.06, 0.04])
-    # mean 0.04, standard deviation 0.02, standard error 0.02 / sqrt(3); t with 2 degrees of freedom 4.303
-    half = 4.303 * 0.02 / math.sqrt(3)
+    # mean 0.04, standard deviation 0.02, standard error 0.02 / sqrt(3); t with 2 degrees of freedom 4.3026527
+    half = 4.3026527 * 0.02 / math.sqrt(3)
     assert figure["mean"] == pytest.approx(0.04) and figure["seeds"] == 3
     assert figure["ci95"] == pytest.approx([0.04 - half, 0.04 + half])
     with pytest.raises(ValueError, match="2 or more seeds"):
         across_seeds([0.5])
 
 
+def test_t_quantile_is_students_t_at_any_degrees_of_freedom():
+    # the two-sided 95% quantiles of the printed tables
+    for df, t in ((1, 12.7062047), (2, 4.3026527), (5, 2.5705818), (10, 2.2281389), (14, 2.1447867),
+                  (29, 2.0452296), (120, 1.9799304)):
+        assert t_quantile(0.95, df) == pytest.approx(t, abs=1e-6), df
+    assert t_quantile(0.90, 2) == pytest.approx(2.9199856, abs=1e-6)
+    with pytest.raises(ValueError, match="integer df >= 1"):
+        t_quantile(0.95, 0)
+
+
+def test_across_fifteen_seeds_the_interval_uses_t_not_1_96():
+    values = [0.5 + 0.01 * (i % 5) for i in range(15)]
+    figure = across_seeds(values)
+    mean = sum(values) / 15
+    se = math.sqrt(sum((v - mean) ** 2 for v in values) / 14) / math.sqrt(15)
+    assert figure["ci95"] == pytest.approx([mean - 2.1447867 * se, mean + 2.1447867 * se])  # 14 degrees of freedom
+    assert (figure["ci95"][1] - mean) / se == pytest.approx(2.1447867)  # not the normal's 1.96
+
+
+def test_accuracy_from_details_scores_every_sample_of_every_problem():
+    rows = [{"question": "q0", "scores": [{"correctness": 1.0}, {"correctness": 0.0}, {"correctness": 1.0}]},
+            {"question": "q1", "scores": [{"correctness": 0.0}, {"correctness": 0.0}, {"correctness": 1.0}]}]
+    assert details_accuracy(rows) == pytest.approx(3 / 6)  # not 1 / 2 by chance: the first samples give 1 of 2
+    assert details_accuracy(rows[:1]) == pytest.approx(2 / 3)  # the first sample alone would say 1.0
+
+
+def test_paired_gain_compares_each_problems_mean_over_its_samples():
+    before = [{"question": "q0", "scores": [{"correctness": 1.0}, {"correctness": 0.0}]},
+              {"question": "q1", "scores": [{"correctness": 0.0}, {"correctness": 0.0}]}]
+    after = [{"question": "q0", "scores": [{"correctness": 1.0}, {"correctness": 1.0}]},
+             {"question": "q1", "scores": [{"correctness": 0.0}, {"correctness": 1.0}]}]
+    gain = paired_gain(before, after)  # per problem +0.5 and +0.5; the first samples alone would say 0
+    assert gain["gain"] == pytest.approx(0.5) and gain["won"] == 2 and gain["lost"] == 0
+
+
+def write_seed_run(run_dir, evals, start_key="k0"):
+    """A demo run directory as tools/seed_table.py reads it: eval_NAME.jsonl per model (one row per problem,
+    each score a list of per-sample correctness) and report.json naming its start."""
+    run_dir.mkdir()
+    for name, problems in evals.items():
+        with open(run_dir / f"eval_{name}.jsonl", "w") as f:
+            for i, samples in enumerate(problems):
+                scores = [{"correctness": c, "strict": c} for c in samples]
+                f.write(json.dumps({"question": f"q{i}", "scores": scores}) + "\n")
+    with open(run_dir / "report.json", "w") as f:
+        json.dump({"start": {"dir": f".cache/models/start-{start_key}", "key": start_key}}, f)
+
+
+def seed_table(*args):
+    return subprocess.run([sys.executable, "tools/seed_table.py", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
 def test_seed_table_pairs_each_seed_and_reads_across_them(tmp_path):
     """tools/seed_table.py on two seeds' evaluations of four problems: a model that gains 1 and 2 problems."""
-    def write(run, name, correct):
-        with open(tmp_path / run / f"eval_{name}.jsonl", "w") as f:
-            for i, c in enumerate(correct):
-                f.write(json.dumps({"question": f"q{i}", "scores": [{"correctness": c, "strict": c}]}) + "\n")
     for run, grpo in (("seed0", [1, 1, 0, 0]), ("seed1", [1, 1, 1, 0])):
-        (tmp_path / run).mkdir()
-        write(run, "start", [1, 0, 0, 0])
-        write(run, "grpo", grpo)
-    out = subprocess.run([sys.executable, "tools/seed_table.py", str(tmp_path / "seed0"), str(tmp_path / "seed1"),
-                          "--models", "start,grpo", "--against", "start"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+        write_seed_run(tmp_path / run, {"start": [[1], [0], [0], [0]], "grpo": [[c] for c in grpo]})
+    out = seed_table(tmp_path / "seed0", tmp_path / "seed1", "--models", "start,grpo", "--against", "start")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["accuracy"]["grpo"]["per_seed"] == [0.5, 0.75]
     gain = report["gains"]["start"]
     assert [g["gain"] for g in gain["per_seed"]] == [0.25, 0.5] and gain["mean"] == pytest.approx(0.375)
-    half = 12.706 * 0.125 / math.sqrt(2) * math.sqrt(2)  # standard deviation 0.125 * sqrt(2) of two gains
+    half = 12.7062047 * 0.125 / math.sqrt(2) * math.sqrt(2)  # standard deviation 0.125 * sqrt(2) of two gains
     assert gain["ci95"] == pytest.approx([0.375 - half, 0.375 + half])
+    assert report["start"]["key"] == "k0"
     assert "| start | +25.0" in out.stdout
-    missing = subprocess.run([sys.executable, "tools/seed_table.py", str(tmp_path / "seed0"), str(tmp_path / "seed1")],
-                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    missing = seed_table(tmp_path / "seed0", tmp_path / "seed1")
     assert missing.returncode != 0 and "eval_base.jsonl not found" in missing.stderr
+
+
+def test_seed_table_scores_every_sample_of_a_sampled_evaluation(tmp_path):
+    write_seed_run(tmp_path / "seed0", {"start": [[1, 0], [0, 0]], "grpo": [[1, 1], [0, 1]]})
+    write_seed_run(tmp_path / "seed1", {"start": [[1, 1], [0, 0]], "grpo": [[1, 1], [1, 1]]})
+    out = seed_table(tmp_path / "seed0", tmp_path / "seed1", "--models", "start,grpo", "--against", "start")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["accuracy"]["start"]["per_seed"] == [0.25, 0.5]  # the first samples alone: 0.5 and 0.5
+    assert report["accuracy"]["grpo"]["per_seed"] == [0.75, 1.0]
+    assert [g["gain"] for g in report["gains"]["start"]["per_seed"]] == [0.5, 0.5]
+
+
+def test_seed_table_refuses_runs_from_different_starts(tmp_path):
+    evals = {"start": [[1], [0]], "grpo": [[1], [1]]}
+    write_seed_run(tmp_path / "seed0", evals, start_key="aaaa")
+    write_seed_run(tmp_path / "seed1", evals, start_key="bbbb")
+    out = seed_table(tmp_path / "seed0", tmp_path / "seed1", "--models", "start,grpo", "--against", "start")
+    assert out.returncode != 0 and "different starts" in out.stderr
+    assert f"{tmp_path / 'seed0'}: .cache/models/start-aaaa (key aaaa)" in out.stderr
+    assert f"{tmp_path / 'seed1'}: .cache/models/start-bbbb (key bbbb)" in out.stderr
+
+
+def test_seed_table_refuses_a_run_whose_report_names_no_start(tmp_path):
+    evals = {"start": [[1], [0]], "grpo": [[1], [1]]}
+    write_seed_run(tmp_path / "seed0", evals)
+    write_seed_run(tmp_path / "seed1", evals)
+    with open(tmp_path / "seed1" / "report.json", "w") as f:
+        json.dump({"grpo_minutes": 6.0}, f)  # a report from before the start was recorded
+    out = seed_table(tmp_path / "seed0", tmp_path / "seed1", "--models", "start,grpo", "--against", "start")
+    assert out.returncode != 0 and f"{tmp_path / 'seed1' / 'report.json'} names no start" in out.stderr
 
 
 def test_an_answer_prefix_starts_every_answer_and_is_scored_with_it(tmp_path):
