@@ -26,8 +26,10 @@ step passes through):
      loss (grpo_math.grpo_loss: grpo_objective with TRL's options); backward; one AdamW step (DeepSpeed's
      engine.step(), through simple_grpo/trainer/update.py's optimizer_step). --num_iterations > 1 repeats
      4 on the same rollouts (PPO's epochs).
-It writes one JSON line per step to runs/NAME/metrics.jsonl, checkpoints to runs/NAME/step_N/
-(HF format, plus the state --resume continues from), and the curves to runs/NAME/curves.png.
+At start it prints each default it derived from the other flags, and why (trainer/config.py's check_options);
+runs/NAME/config.json holds every flag as resolved. It writes one JSON line per step to runs/NAME/metrics.jsonl
+(a step with no group kept logs its update's figures as null), checkpoints to runs/NAME/step_N/ (HF format, plus
+the state --resume continues from), and the curves to runs/NAME/curves.png.
 """
 import os
 import random
@@ -126,7 +128,8 @@ def main(cfg: Config):
         prompt_ids, prompt_mask = prompt_ids[kept_groups], prompt_mask[kept_groups]  # (q, P) each: q groups kept
         completion_ids, until_stop = completion_ids[kept_rows], until_stop[kept_rows]  # (q*G, C) each
         advantages = advantages.to(until_stop.device)[kept_rows]  # (q*G,)
-        update_stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 1.0, "grad_norm": 0.0}
+        update_stats = {"loss": None, "kl": None, "clip_fraction": None, "ratio_mean": None,
+                        "grad_norm": None}  # no group kept: no update, nothing of it measured (null in the log)
         t1 = t2 = time.time()
         if has_signal.any():
             # GRPO 3. the reference model's log-probs of the same tokens, for the KL term: the same numbers as
@@ -175,7 +178,7 @@ def main(cfg: Config):
                                   stop_ids, logps.detach())
         stop = doctor.batch(batch_summary(rewards, scores, texts, has_signal), step) or doctor.step(record)
         bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['accuracy']:.2f}",
-                        fmt=f"{record['format_rate']:.2f}", kl=f"{record['kl']:.3f}")
+                        fmt=f"{record['format_rate']:.2f}", kl="-" if record["kl"] is None else f"{record['kl']:.3f}")
         if step % cfg.save_every == 0 or step == cfg.steps or stop:
             save_checkpoint(engine, tokenizer, run_dir, step, {"data_rng": rng.getstate()})
         if stop:

@@ -117,6 +117,21 @@ def test_sampler_mismatch_and_ratio(tmp_path):
     assert "max 9" in warnings_in(path)[0]["message"]
 
 
+def test_steps_without_an_update_fire_no_rule(tmp_path):
+    """grpo_train.py logs kl, loss, grad_norm, ratio_mean and clip_fraction as None where no group had signal."""
+    d, path = doctor(tmp_path, doctor_window=3)
+    no_update = {"kl": None, "loss": None, "grad_norm": None, "ratio_mean": None, "clip_fraction": None}
+    assert run_steps(d, [healthy(s, **no_update) for s in range(1, 5)]) == [] and warnings_in(path) == []
+
+
+def test_steps_without_an_update_are_left_out_of_the_kl_mean(tmp_path):
+    """KL 1.5 after 0.1 is a 15x jump, under --doctor_kl_jump 20; counted as KL 0, the steps with no update
+    would halve the mean and make it 30x."""
+    d, path = doctor(tmp_path)
+    steps = [healthy(s, kl=0.1 if s % 2 else None) for s in range(1, 11)] + [healthy(11, kl=1.5)]
+    assert run_steps(d, steps) == []
+
+
 def test_stop_on_turns_a_rule_into_a_stop_and_rejects_unknown_names(tmp_path):
     d, _ = doctor(tmp_path, stop_on="kl,no_signal")
     stop = d.step(healthy(1, kl=50.0))

@@ -1,7 +1,7 @@
 """What a run leaves behind and says: TRL-style metrics in metrics.jsonl, completions.jsonl every
---log_completions_every steps, curves.png and report.html at the end; --report_to's trackers, and
---preflight stopping a run that would get no signal, or whose probe outlives its deadline. Short real
-runs of both trainers (beta 0)."""
+--log_completions_every steps, curves.png and report.html at the end; the resolved flags in config.json;
+null for the update's figures of a step with no update; --report_to's trackers, and --preflight stopping
+a run that would get no signal, or whose probe outlives its deadline. Short real runs of both trainers (beta 0)."""
 import json
 import os
 import shutil
@@ -22,6 +22,40 @@ def run(trainer, name, *flags, timeout=900):
     return subprocess.run([sys.executable, f"{trainer}.py", "--beta", "0", "--lr", "1e-4", "--steps", "4",
                            "--batch_prompts", "4", "--run_name", name, "--log_completions_every", "2", *flags],
                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def no_signal_run(tmp_path_factory):
+    """Two steps of grpo_train.py, in this process, with a reward no completion earns (no group has signal,
+    no update is taken) and --lr, --epsilon_high, --scale_rewards left unset. Returns its run directory."""
+    import simple_grpo.task.rewards as rewards
+    from grpo_train import Config, main
+    where, cwd, saved = tmp_path_factory.mktemp("no_signal"), os.getcwd(), dict(rewards.REWARD_FUNCS)
+    os.chdir(where)  # runs/ goes here
+    try:
+        main(Config(model=os.path.join(ROOT, "models", "tiny-math"),
+                    dataset=os.path.join(ROOT, "data", "toy_math", "train.jsonl"),
+                    reward_file=os.path.join(ROOT, "tests", "never_rewards.py"), reward_funcs="never",
+                    reward_weights="1", beta=0.0, steps=2, batch_prompts=2, num_generations=4, max_new_tokens=16,
+                    run_name="no_signal"))
+    finally:
+        os.chdir(cwd)
+        rewards.REWARD_FUNCS.clear()
+        rewards.REWARD_FUNCS.update(saved)
+    return where / "runs" / "no_signal"
+
+
+def test_a_step_with_no_signal_logs_null_for_what_no_update_measured(no_signal_run):
+    rows = [json.loads(line) for line in open(no_signal_run / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["zero_var_frac"] == 1.0 for r in rows)
+    for r in rows:
+        assert (r["kl"], r["loss"], r["grad_norm"], r["ratio_mean"], r["clip_fraction"]) == (None,) * 5
+    assert os.path.isfile(no_signal_run / "curves.png") and os.path.isfile(no_signal_run / "report.html")
+
+
+def test_config_json_holds_the_flags_as_resolved(no_signal_run):
+    config = json.load(open(no_signal_run / "config.json"))
+    assert (config["lr"], config["epsilon_high"], config["scale_rewards"]) == (1e-4, 0.2, "group")
 
 
 @pytest.mark.parametrize("trainer", ["grpo_train", "grpo_vllm_one"])

@@ -17,6 +17,7 @@ from collections import Counter
 from tqdm import tqdm
 
 from simple_grpo.run.disk_guard import append_lines
+from simple_grpo.run.metrics import is_number
 
 RULES = {
     "no_signal": "doctor_window batches in a row with no group whose rewards differ (GRPO learns nothing)",
@@ -94,9 +95,14 @@ class RunDoctor:
         recent = self.rows[-cfg.doctor_window:]
         first = self.rows[:cfg.doctor_window]
 
-        kl, before = record.get("kl", 0.0), [r.get("kl", 0.0) for r in self.rows[-cfg.doctor_window - 1:-1]]
-        jumped = kl > 1.0 and before and kl > cfg.doctor_kl_jump * mean(before)
-        stops = [self.report("kl", kl > cfg.doctor_kl_max or jumped, step, lambda: self.kl_message(kl, mean(before)))]
+        # a step with no update logs kl and ratio_mean as None (not measured): it is left out of the means, and a
+        # rule with nothing measured keeps its state
+        stops, kl = [], record.get("kl", 0.0)
+        if is_number(kl):
+            before = [r["kl"] for r in self.rows[-cfg.doctor_window - 1:-1] if is_number(r.get("kl", 0.0))]
+            jumped = kl > 1.0 and before and kl > cfg.doctor_kl_jump * mean(before)
+            stops.append(self.report("kl", kl > cfg.doctor_kl_max or jumped, step,
+                                     lambda: self.kl_message(kl, mean(before))))
 
         entropies = [r["entropy"] for r in self.rows if "entropy" in r]
         start, now = mean(entropies[:cfg.doctor_window]), mean(entropies[-cfg.doctor_window:])
@@ -121,16 +127,18 @@ class RunDoctor:
             "the sampler is not running the policy the trainer trains. Check that both use the same --dtype and "
             "that weights reach vLLM (weights_load_s in metrics.jsonl); lower --max_policy_lag; keep --tis_cap on")))
 
-        ratio = mean([r.get("ratio_mean", 1.0) for r in recent])
-        stops.append(self.report("ratio", abs(ratio - 1) > cfg.doctor_ratio_band, step, lambda: (
-            f"the importance ratio pi/pi_old averaged {ratio:.3g} over the last {len(recent)} steps (this step: min "
-            f"{record.get('ratio_min', 1.0):.3g}, max {record.get('ratio_max', 1.0):.3g}): the policy moves far "
-            "from the one that sampled within a step, and the clip discards much of the gradient. Lower --lr or "
-            "--num_iterations; with vLLM, --max_policy_lag 0")))
+        if is_number(record.get("ratio_mean", 1.0)):
+            ratios = [r.get("ratio_mean", 1.0) for r in recent if is_number(r.get("ratio_mean", 1.0))]
+            ratio = mean(ratios)
+            stops.append(self.report("ratio", abs(ratio - 1) > cfg.doctor_ratio_band, step, lambda: (
+                f"the importance ratio pi/pi_old averaged {ratio:.3g} over the last {len(ratios)} updates (this step: "
+                f"min {record.get('ratio_min', 1.0):.3g}, max {record.get('ratio_max', 1.0):.3g}): the policy moves far "
+                "from the one that sampled within a step, and the clip discards much of the gradient. Lower --lr or "
+                "--num_iterations; with vLLM, --max_policy_lag 0")))
         return next((stop for stop in stops if stop), None)
 
     def kl_message(self, kl, recent):
-        cfg, n = self.cfg, len(self.rows)
+        cfg, n = self.cfg, sum(is_number(r.get("kl", 0.0)) for r in self.rows)  # the updates so far
         if n <= 3:
             usual = ("LoRA adapters on a real pretrained model train at about 1e-4 (SmolLM2-135M: 2e-4)"
                      if getattr(cfg, "use_peft", False) else
