@@ -238,8 +238,10 @@ def main(cfg: Config):
                 draws[m["worker"]] = max(draws[m["worker"]], m["draws"])
 
             batch = collate(groups, tokenizer.pad_token_id)
+            t_ref = time.time()
             if cfg.beta != 0 and not uses_ref_server(cfg):  # LoRA: the base model, adapters off
                 batch["ref_logps"] = reference_logps(engine, batch, cfg)
+            ref_s = time.time() - t_ref  # this trainer's reference pass (LoRA); a ref server's is in its /stats
 
             # GRPO 4. the update: grpo_math.grpo_loss on the batch, one optimizer step. The ratio's old_logps are
             # the trainer's own; vLLM's sampler_logps weight each token (--tis_cap; with 0 they are old_logps)
@@ -252,7 +254,7 @@ def main(cfg: Config):
                 sync_weights(sender, engine, step, cfg.zero_stage, check_alive, cfg.data_timeout)
             record = {"step": step, **meta["rollout"], **update_stats, "policy_lag": step - 1 - oldest,
                       "batch": meta["batch_index"], "worker": meta["worker"], "generated": sum(generated),
-                      "trained": trained, "wait_s": wait_s, "compute_s": compute_s,
+                      "trained": trained, "wait_s": wait_s, "compute_s": compute_s, "ref_s": ref_s,
                       "sync_s": time.time() - t0 - wait_s - compute_s, "step_s": time.time() - t0}
 
             # what this step measured: metrics.jsonl, a few completions, the run doctor's verdict

@@ -36,7 +36,9 @@ def ref_worker(model, todo, done, device, stats, lock):
     while True:
         size, tensors, meta = todo.get()
         try:
+            t0 = time.time()
             add_ref_logps(model, tensors, meta, device)
+            stats["ref_s"] += time.time() - t0  # the reference forward's seconds, for bench/gpu_scale.py
             dropped = done.put(meta.get("run_id"), (size, encode(tensors, meta)))  # waits while trainers are behind
             with lock:
                 stats["queued_bytes"] -= sum(stale_size for stale_size, _ in dropped)
@@ -88,7 +90,7 @@ def make_app(model, cfg: ServerConfig):
     app = bottle.Bottle()
     todo, done = queue.Queue(cfg.max_queue), Finished(cfg.max_queue)
     stats = {"groups_in": 0, "groups_out": 0, "groups_taken": 0, "rejected": 0, "rejected_full": 0,
-             "errors": 0, "queued_bytes": 0}
+             "errors": 0, "queued_bytes": 0, "ref_s": 0.0}
     lock, started = threading.Lock(), time.time()
     threading.Thread(target=ref_worker, args=(model, todo, done, cfg.device, stats, lock),
                      daemon=True).start()

@@ -133,7 +133,7 @@ def test_the_plan_for_several_ranks_takes_world_size_and_ends_with_the_json_summ
                          env={**os.environ, "WORLD_SIZE": "8"})
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(summary) == {"fits", "trainer_gpu_gb", "generation_gpu_gb", "host_gb"}
+    assert set(summary) == {"fits", "trainer_gpu_gb", "generation_gpu_gb", "host_gb", "least_gen_memory"}
     assert summary["fits"] is True and "8 training rank(s)" in out.stdout
     assert summary["host_gb"] == round(plan(world_size=8)["host_gb"], 1)
 

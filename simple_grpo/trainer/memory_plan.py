@@ -249,9 +249,10 @@ def format_plan(plan):
 
 
 def plan_json(plan):
-    """The one-line summary: {"fits", "trainer_gpu_gb", "generation_gpu_gb", "host_gb"}, GB to 0.1."""
+    """The one-line summary: {"fits", "trainer_gpu_gb", "generation_gpu_gb", "host_gb"}, GB to 0.1, and
+    "least_gen_memory", the smallest --gen_memory that holds vLLM (bench/gpu_scale.py gives vLLM that share)."""
     numbers = {key: round(plan[key], 1) for key in ("trainer_gpu_gb", "generation_gpu_gb", "host_gb")}
-    return json.dumps({"fits": plan["fits"], **numbers})
+    return json.dumps({"fits": plan["fits"], **numbers, "least_gen_memory": plan["least_gen_memory"]})
 
 
 def show_plan(cfg):
