@@ -1,5 +1,6 @@
-"""tools/warm_start.py on the tiny model: it trains and saves a model that loads, caches by recipe, and
-refuses bad flags by name. (SmolLM2's own warm start runs in tests/test_demo_real.py, slow.)"""
+"""tools/warm_start.py on the tiny model: it trains and saves a model that loads, caches by its key (a hash of its
+flags, code and data), and refuses bad flags by name. (SmolLM2's own warm start runs in tests/test_demo_real.py,
+slow.)"""
 import json
 import os
 import random
@@ -126,3 +127,74 @@ def test_a_linear_schedule_ends_at_zero_and_train_n_takes_the_first_problems(tmp
     assert record["recipe"]["train_n"] == 4 and record["recipe"]["lr_schedule"] == "linear"
     too_few = warm_start(tmp_path / "few", "--train_n", "1")
     assert too_few.returncode != 0 and "1 problems, fewer than --batch_size 2" in too_few.stderr
+
+
+# ---------------------------------------------------------------- the cache key: flags, code and data
+def print_key(*args):
+    out = subprocess.run([sys.executable, "tools/warm_start.py", "--model", "models/tiny-math", *map(str, args),
+                          "--print_key"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
+
+
+def few_problems(path, first_answer=None):
+    """The first 16 training problems in a file of their own; first_answer rewrites the first one's solution."""
+    problems = load_jsonl(os.path.join(ROOT, "data/toy_math/train.jsonl"))[:16]
+    if first_answer is not None:
+        problems[0] = dict(problems[0], answer=first_answer)
+    with open(path, "w") as f:
+        f.writelines(json.dumps(p) + "\n" for p in problems)
+    return path
+
+
+def test_the_cache_key_changes_with_the_training_data(tmp_path):
+    data = few_problems(tmp_path / "train.jsonl")
+    key = print_key("--train", data)
+    assert len(key) == 12 and print_key("--train", data) == key  # the same flags, code and data: the same key
+    few_problems(data, first_answer="She has: 3+4=<<3+4=7>>7\n#### 7")  # the same path, other contents
+    assert print_key("--train", data) != key
+
+
+def test_the_cache_key_changes_with_the_flags_and_with_the_dev_data_only_when_it_is_read(tmp_path):
+    dev = few_problems(tmp_path / "dev.jsonl")
+    assert print_key("--lr", "1e-4") != print_key("--lr", "2e-4")
+    scored = print_key("--dev", dev, "--eval_every", "2")
+    few_problems(dev, first_answer="She has: 3+4=<<3+4=7>>7\n#### 7")
+    assert print_key("--dev", dev, "--eval_every", "2") != scored  # dev accuracy picks the kept checkpoint
+    assert print_key("--dev", dev) == print_key("--dev", tmp_path / "dev.jsonl")  # without --eval_every it is not read
+
+
+def test_the_record_holds_the_key_and_the_hash_of_each_file_the_start_depends_on(tmp_path):
+    from tools.warm_start import START_CODE, file_sha256
+    data = few_problems(tmp_path / "train.jsonl")
+    result = warm_start(tmp_path / "warm", "--train", data)
+    assert result.returncode == 0, result.stderr[-2000:]
+    with open(tmp_path / "warm" / "warm_start.json") as f:
+        record = json.load(f)
+    assert record["key"] == print_key("--steps", "2", "--batch_size", "2", "--system_prompt", SHORT_PROMPT,
+                                      "--train", data)
+    assert set(record["sources"]) == {*START_CODE, str(data)}
+    assert all(record["sources"][path] == file_sha256(os.path.join(ROOT, path)) for path in START_CODE)
+    assert record["sources"][str(data)] == file_sha256(data)
+
+
+def test_a_start_made_from_other_data_is_refused_in_its_directory_naming_the_file(tmp_path):
+    data = few_problems(tmp_path / "train.jsonl")
+    assert warm_start(tmp_path / "warm", "--train", data).returncode == 0
+    few_problems(data, first_answer="She has: 3+4=<<3+4=7>>7\n#### 7")
+    again = warm_start(tmp_path / "warm", "--train", data)
+    assert again.returncode != 0 and "made with other flags, code or data" in again.stderr
+    assert f"{data} (another version there)" in again.stderr
+
+
+def test_the_demo_trains_a_start_from_other_data_in_a_directory_of_its_own(tmp_path):
+    """simple_grpo/run/launch.py names a start's directory by its key: other data, another directory, so the
+    demo trains that start anew instead of reusing the one made from the old data."""
+    from simple_grpo.run.launch import warm_start_dir
+    data = few_problems(tmp_path / "train.jsonl")
+    flags = ["--train", str(data), "--steps", "2"]
+    first = warm_start_dir("models/tiny-math", flags, dict(os.environ))
+    assert first == "models/tiny-math-warm-" + print_key(*flags)
+    assert warm_start_dir("models/tiny-math", flags, dict(os.environ)) == first
+    few_problems(data, first_answer="She has: 3+4=<<3+4=7>>7\n#### 7")
+    assert warm_start_dir("models/tiny-math", flags, dict(os.environ)) != first

@@ -13,8 +13,14 @@ checkpoint so far to --out (the model GRPO starts from is chosen on dev accuracy
 --patience P stops once P evaluations in a row bring no new best: the plateau. --max_minutes ends it on
 a time budget (the supervised control beside GRPO gets GRPO's minutes). warm_start.json records the loss
 and the dev curve against steps and seconds, dev_curve.png plots it.
-Cached: when --out already holds a warm start made with the same flags, it says so and exits.
+Cached: when --out already holds a warm start with the same cache key, it says so and exits. The key is a hash
+of every flag that makes the model (all but --out, --threads, --save_every) and of the code and data the start
+depends on: START_CODE's files and the --train (and, with --eval_every, --dev) files, as sha256 of their
+contents. A --out holding a start with another key is refused, naming what differs; --print_key prints the key
+and exits (tools/demo_real.py names the start's directory by it, so a start made by other code or data is
+trained again in a directory of its own, not reused).
 """
+import hashlib
 import json
 import os
 import random
@@ -56,16 +62,61 @@ class WarmStartConfig:
                               "(0: no evaluation; --out gets the last step)")
     patience: int = flag(0, "stop after this many evaluations in a row without a new best dev accuracy (0: never)")
     max_minutes: float = flag(0.0, "stop after this many minutes of training (0: no limit); evaluations not counted")
+    print_key: bool = flag(False, "print the cache key of the start these flags make (a hash of the flags, the code "
+                                  "and the data) and exit, training nothing")
+
+
+# The code a start's weights and its kept checkpoint depend on: this script's loop, the targets and batches,
+# the prompt, and the dev evaluation that picks the checkpoint (generation and the rewards that score it).
+START_CODE = ("tools/warm_start.py", "simple_grpo/task/warm_start.py", "simple_grpo/task/problems.py",
+              "simple_grpo/task/rewards.py", "simple_grpo/evaluation.py")
+
+
+def file_sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def start_sources(cfg):
+    """{path: sha256 of its contents} of the code (START_CODE, relative to the repository) and the data files
+    (--train; --dev when dev accuracy is scored) the start depends on."""
+    data = [cfg.train] + ([cfg.dev] if cfg.eval_every else [])
+    for flag_name, path in zip(("--train", "--dev"), data):
+        if not os.path.isfile(path):
+            raise SystemExit(f"{flag_name} {path}: no such file")
+    return {**{path: file_sha256(os.path.join(ROOT, path)) for path in START_CODE},
+            **{path: file_sha256(path) for path in data}}
+
+
+def start_recipe(cfg):
+    """Every flag that makes the model: all but where it is saved, the threads, extra checkpoints and
+    --print_key."""
+    return {k: v for k, v in asdict(cfg).items() if k not in ("out", "threads", "save_every", "print_key")}
+
+
+def start_key(recipe, sources):
+    """The start's cache key: 12 hex digits of the sha256 of its recipe and its sources."""
+    return hashlib.sha256(json.dumps({"recipe": recipe, "sources": sources}, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def differences(record, recipe, sources):
+    """What makes an earlier start (its warm_start.json) another start than these flags, code and data would
+    make: the flags, then the files, that differ."""
+    old_recipe, old_sources = record.get("recipe", {}), record.get("sources", {})
+    flags = [f"--{k} {old_recipe.get(k)!r} there, {recipe.get(k)!r} here" for k in sorted({*recipe, *old_recipe})
+             if old_recipe.get(k) != recipe.get(k)]
+    files = [f"{path} ({'not recorded' if path not in old_sources else 'another version'} there)"
+             for path in sources if old_sources.get(path) != sources[path]]
+    return "; ".join(flags + files)
 
 
 def main(cfg: WarmStartConfig):
     if not cfg.model or not os.path.isdir(cfg.model):
         raise SystemExit(f"--model {cfg.model!r}: give a model directory (e.g. make smollm2's)")
-    if not cfg.out:
+    if not cfg.out and not cfg.print_key:
         raise SystemExit("--out: give the directory to save the warm-started model in")
     if not 0 < cfg.in_format_share <= 1:
         raise SystemExit(f"--in_format_share must be in (0, 1], got {cfg.in_format_share}")
-    record_path = os.path.join(cfg.out, "warm_start.json")
     if cfg.eval_every < 0 or cfg.patience < 0 or cfg.max_minutes < 0 or cfg.dev_n < 1:
         raise SystemExit("--eval_every, --patience and --max_minutes must be >= 0, --dev_n >= 1")
     if cfg.patience and not cfg.eval_every:
@@ -74,16 +125,22 @@ def main(cfg: WarmStartConfig):
         raise SystemExit(f"--lr_schedule {cfg.lr_schedule!r}: use constant or linear")
     if cfg.train_n < 0:
         raise SystemExit(f"--train_n {cfg.train_n}: give 0 (all problems) or a positive number")
-    recipe = {k: v for k, v in asdict(cfg).items() if k not in ("out", "threads", "save_every")}  # what makes the model
-    for k, default in (("train_n", 0), ("lr_schedule", "constant")):  # added later: count only when set, so the
-        if recipe[k] == default:                                       # warm starts made before stay cached
-            del recipe[k]
+    recipe, sources = start_recipe(cfg), start_sources(cfg)
+    key = start_key(recipe, sources)
+    if cfg.print_key:
+        print(key)
+        return
+    record_path = os.path.join(cfg.out, "warm_start.json")
     if os.path.isfile(record_path):
         with open(record_path) as f:
-            if json.load(f)["recipe"] == recipe:
-                print(f"warm start: {cfg.out} is already made with these flags (delete it to make it again)")
-                return
-        raise SystemExit(f"{cfg.out} holds a warm start made with other flags: give another --out, or delete it")
+            record = json.load(f)
+        if record.get("key") == key:
+            print(f"warm start: {cfg.out} is already made with these flags, code and data (key {key}; delete it to "
+                  "make it again)")
+            return
+        raise SystemExit(f"{cfg.out} holds a warm start made with other flags, code or data (key "
+                         f"{record.get('key')}, here {key}: {differences(record, recipe, sources)}): give another "
+                         "--out, or delete it")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
@@ -142,7 +199,8 @@ def main(cfg: WarmStartConfig):
     if not dev:
         save(model, tokenizer, cfg.out)
     with open(record_path, "w") as f:
-        json.dump({"recipe": recipe, "best": best, "dev_curve": curve, "history": history}, f, indent=1)
+        json.dump({"key": key, "recipe": recipe, "sources": sources, "best": best, "dev_curve": curve,
+                   "history": history}, f, indent=1)
     if curve:
         plot_dev_curve(curve, best, os.path.join(cfg.out, "dev_curve.png"))
     kept = f"step {best['step']} (dev accuracy {best['accuracy']:.3f})" if best else f"step {step}"

@@ -1,7 +1,6 @@
 """Starting this project's own processes from a script or a test: the reference server in the background
 (ready once its /health answers), evaluate.py on a checkpoint, a free port. tools/demo.py, the benches
 and the tests use them; MODEL, TEST and TINY_WORLD_FLAGS are the tiny default world's."""
-import hashlib
 import json
 import os
 import socket
@@ -58,8 +57,8 @@ def start_ref_server(port, env, *args, token="", script="ref_server.py", stdout=
 def smollm2_warm_start(env, flags=WARM_START_FLAGS):
     """SmolLM2-135M-Instruct fetched and converted (tools/fetch_smollm2.py), then given its supervised start with
     `flags` (tools/warm_start.py: by default the recipe's, to the dev plateau, the best checkpoint kept); both
-    cached, the start in a directory named for its flags. Returns (base, warm) directories, relative to the
-    repository when inside it (the warm start's cache key holds the base's path)."""
+    cached, the start in a directory named for its cache key (warm_start_dir). Returns (base, warm) directories,
+    relative to the repository when inside it (the warm start's cache key holds the base's path)."""
     fetched = subprocess.run([sys.executable, "tools/fetch_smollm2.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                              text=True)
     if fetched.returncode != 0:
@@ -68,12 +67,23 @@ def smollm2_warm_start(env, flags=WARM_START_FLAGS):
     base = fetched.stdout.strip().splitlines()[-1]  # it prints the model's directory last
     base = os.path.relpath(base, ROOT) if base.startswith(ROOT + os.sep) else base
     flags = ["--system_prompt", SYSTEM_PROMPT, *flags]
-    warm = base.rstrip("/") + "-warm-" + hashlib.sha256(json.dumps(flags).encode()).hexdigest()[:8]
+    warm = warm_start_dir(base, flags, env)
     proc = subprocess.run([sys.executable, "tools/warm_start.py", "--model", base, "--out", warm, *flags],
                           cwd=ROOT, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"tools/warm_start.py failed with exit code {proc.returncode}")
     return base, warm
+
+
+def warm_start_dir(base, flags, env):
+    """Where the start tools/warm_start.py makes from `base` with `flags` is cached: base-warm-KEY, KEY its cache key
+    (tools/warm_start.py --print_key: a hash of every flag, of the code the start runs and of the data it reads), so a
+    start made by other flags, code or data lives in another directory and is trained again, not reused."""
+    proc = subprocess.run([sys.executable, "tools/warm_start.py", "--model", base, *flags, "--print_key"], cwd=ROOT,
+                          env=env, stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"tools/warm_start.py --print_key failed with exit code {proc.returncode}")
+    return base.rstrip("/") + "-warm-" + proc.stdout.strip().splitlines()[-1]
 
 
 def evaluate(model_dir, env, data=TEST, args=()):
