@@ -18,7 +18,8 @@ mean of --accuracy_reward: correctness (the <answer> tags), or answer_is for a m
 accuracy_strict is the share whose <answer> text is a plain integer equal to the true answer ("50", "1,000";
 not "21+29", "50.0" or "$50", which math-verify accepts): strict_integer_correct in rewards.py.
 With K samples per problem at T > 0 the rates are over all n*K samples and pass@k is
-the fraction of problems with at least one correct sample.
+the fraction of problems with at least one correct sample. vLLM logs only its errors unless
+VLLM_LOGGING_LEVEL is set (VLLM_LOGGING_LEVEL=INFO shows its notes and warnings).
 """
 import dataclasses
 import json
@@ -32,6 +33,7 @@ import torch
 from simple_grpo.devices import auto_device
 from simple_grpo.evaluation import context_length, hf_generate, summarize, vllm_generate, write_details
 from simple_grpo.flags import flag, parse_flags
+from simple_grpo.generation.vllm_sampler import quiet_vllm
 from simple_grpo.lora import is_adapter_dir, merge_adapter_dir
 from simple_grpo.task.config import DataConfig, load_data
 from simple_grpo.task.problems import make_prompt, stop_token_ids
@@ -87,6 +89,7 @@ def evaluate(cfg: EvalConfig, label=None):
     problems = load_data(cfg)
     problems = problems[:cfg.n] if cfg.n > 0 else problems
     backend = cfg.backend
+    quiet_vllm()  # before vLLM is first imported, just below or in vllm_generate
     if backend == "auto":
         try:
             import vllm  # noqa: F401

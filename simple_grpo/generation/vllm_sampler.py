@@ -1,6 +1,7 @@
 """vLLM as the trainers' sampler: an in-process engine, and G completions per prompt with their log-probs.
 
-Used by grpo_vllm_one.py's generation worker, tools/probe.py, evaluate-style benches and tests.
+Used by grpo_vllm_one.py's generation worker, tools/probe.py, evaluate-style benches and tests. vLLM's INFO
+and WARNING lines stay out of their output (quiet_vllm) unless VLLM_LOGGING_LEVEL asks for them.
 """
 import os
 
@@ -10,6 +11,14 @@ from simple_grpo.devices import vllm_memory_share
 
 
 CPU_BLOCK_SIZE = 32  # tokens per KV-cache block on a CPU (vLLM's CPU default: 128)
+
+
+def quiet_vllm():
+    """vLLM logs only its errors, unless the user set VLLM_LOGGING_LEVEL (vLLM's own variable:
+    VLLM_LOGGING_LEVEL=INFO shows its start-up notes and warnings, a third of a real demo's lines). vLLM
+    reads the variable when it sets up its logging (vllm 0.32: as an engine starts), and the processes it
+    starts inherit it: call this before."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
 def start_vllm(cfg, compile=False, block_size=None):
@@ -25,6 +34,7 @@ def start_vllm(cfg, compile=False, block_size=None):
     a CPU and vLLM's own default on a GPU (16)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    quiet_vllm()
     from vllm import LLM
     if block_size is None and not torch.cuda.is_available():
         block_size = CPU_BLOCK_SIZE
