@@ -7,7 +7,7 @@
 # Both create .venv/ and install the requirements on first use (tools/install.sh).
 PY := .venv/bin/python
 
-.PHONY: install demo demo-real test test-all test-gpu bench-trl bench-trl-real bench-lora data model smollm2 probe report chromium clean
+.PHONY: install demo demo-real test test-all test-gpu bench-gpu bench-trl bench-trl-real bench-lora data model smollm2 probe report chromium clean
 
 install:
 	@bash tools/install.sh
@@ -34,6 +34,17 @@ test-all: install
 # The GPU tests (tests/test_gpu.py) and their summary; -rs prints why they skip where there is no CUDA.
 test-gpu: install
 	$(PY) -m pytest -q -rs -m gpu tests/test_gpu.py
+
+# A GRPO step of grpo_vllm_one.py at the sizes people train, random weights, against the memory plan
+# (bench/gpu_scale.py, docs/gpu_notes.md) on a GPU: SIZE=0.5b full, 3b full with offload and checkpointing, 7b
+# LoRA with checkpointing (no SIZE: 0.5b); without CUDA no SIZE, the tiny model's shape on the CPU (STEPS=2)
+SIZE ?=
+STEPS ?= 4
+GPU_SCALE_0.5b := --config configs/qwen2.5-0.5b
+GPU_SCALE_3b := --config configs/qwen2.5-3b -- --offload_optimizer --gradient_checkpointing
+GPU_SCALE_7b := --config configs/qwen2.5-7b --lora -- --gradient_checkpointing
+bench-gpu: install
+	$(PY) bench/gpu_scale.py --steps $(STEPS) $(if $(SIZE),$(or $(GPU_SCALE_$(SIZE)),$(error SIZE=$(SIZE): use 0.5b, 3b or 7b)))
 
 # TRL's GRPOTrainer against both trainers (README "Performance"); installs TRL, a bench-only dependency.
 bench-trl: install

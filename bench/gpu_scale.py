@@ -14,8 +14,9 @@ all-linear adapters, the base with the adapters off is the reference, no server)
 trainer and to its plan. Rewards are noise (tests/noise_rewards.py): random text ties every text reward, and a
 step whose groups all tie takes no update.
 
-Random weights sample to the token limit (EOS is 1 of 151,936 ids): every completion is as long as it may be,
-the worst case for generation; a trained model's completions are shorter. Every figure printed is of that case.
+Random weights sample to the token limit (EOS is 1 of Qwen's 151,936 ids; 1 of the tiny model's 561, so about half
+way there): every completion is as long as it may be, the worst case for generation; a trained model's completions
+are shorter. Every figure printed is of that case.
 
 The last line printed is a JSON object; medians leave the first step out (vLLM's and the allocator's warm-up):
   s_per_step                 the trainer's whole step
@@ -174,6 +175,9 @@ def median(rows, key):
 def main(cfg, extra):
     cuda = torch.cuda.is_available()
     shape = cfg.config or ("configs/qwen2.5-0.5b" if cuda else MODEL)
+    if not cuda and os.path.realpath(shape) != os.path.realpath(MODEL):
+        raise SystemExit(f"--config {shape}: without CUDA this bench runs the tiny model's shape only (a step of a "
+                         "configs/ model on CPU cores would take hours); run it on a GPU machine")
     model = build_random_model(cfg, shape)
     gpu_gb = cfg.plan_gpu_gb or (torch.cuda.get_device_properties(0).total_memory / GB if cuda else 80.0)
     flags = ["--model", model, "--dtype", cfg.dtype, "--zero_stage", "2", "--batch_prompts", str(cfg.batch_prompts),
@@ -246,7 +250,8 @@ def main(cfg, extra):
         "host_peak_gb": round(host_peak_with_server / GB, 2), "plan_host_gb": planned["host_gb"],
         "host_vs_plan": round(host_peak_with_server / GB / planned["host_gb"], 3) if planned["host_gb"] else None,
         "trainer_host_peak_gb": round(host_peak / GB, 2),
-        "note": "random weights: completions run to the token limit, the worst case for generation",
+        "note": f"random weights: a token is EOS about once in {shape_info['vocab']:,}, so completions run to or near "
+                f"the {cfg.max_new_tokens}-token limit (completion_len): the worst case for generation",
     }
     print(json.dumps(result))
     return result

@@ -25,3 +25,10 @@ def test_gpu_scale_prints_a_step_its_split_and_memory_beside_the_plan_on_a_cpu(t
         result["split_s"]
     assert all(result[key] is None for key in GPU_ONLY), result  # no nvidia-smi here: not measured, not zero
     assert result["mfu"] < 1 and "random weights" in result["note"]
+
+
+def test_without_cuda_a_configs_shape_is_refused_before_anything_is_built(tmp_path):
+    done = subprocess.run([sys.executable, "bench/gpu_scale.py", "--config", "configs/qwen2.5-3b", "--out",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "without CUDA this bench runs the tiny model's shape only" in done.stderr
+    assert not list(tmp_path.iterdir())
