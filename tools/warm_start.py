@@ -11,8 +11,8 @@ other styles), with the same prompt the trainers will use, and saves a model GRP
 With --eval_every N it scores greedy answers on --dev_n dev problems every N steps, saves the best
 checkpoint so far to --out (the model GRPO starts from is chosen on dev accuracy alone), and with
 --patience P stops once P evaluations in a row bring no new best: the plateau. --max_minutes ends it on
-a time budget (the supervised control beside GRPO gets GRPO's minutes). warm_start.json records the loss
-and the dev curve against steps and seconds, dev_curve.png plots it.
+a time budget. warm_start.json records the loss and the dev curve against steps and seconds, dev_curve.png
+plots it.
 Cached: when --out already holds a warm start with the same cache key, it says so and exits. The key is a hash
 of every flag that makes the model (all but --out, --threads, --save_every) and of the code and data the start
 depends on: START_CODE's files and the --train (and, with --eval_every, --dev) files, as sha256 of their

@@ -14,8 +14,8 @@ SYSTEM_PROMPT = ("Solve the math problem. Think step by step inside <think> </th
 # alone (docs/real_model.md, "The supervised curve").
 SUPERVISED_FLAGS = ["--batch_size", "8", "--lr", "5e-5", "--in_format_share", "1.0"]
 WARM_START_FLAGS = [*SUPERVISED_FLAGS, "--steps", "400", "--eval_every", "20", "--patience", "4"]
-# The control beside GRPO: the same supervised training continued from "before" for GRPO's minutes
-# (tools/demo_real.py adds --max_minutes and its own seed).
+# The control beside GRPO: the same supervised training continued from "before" (tools/demo_real.py adds --steps
+# and its own seed).
 CONTROL_FLAGS = SUPERVISED_FLAGS
 
 # GRPO: 4 problems x 8 completions a step; completions of the warm-started model are ~18 tokens (none cut at
@@ -31,6 +31,11 @@ TRAINER_THREADS = ["--threads", "2"]
 TRAIN_FLAGS = ["--use_peft", "--lora_target_modules", LORA_TARGETS, "--lr", str(LR), "--beta", str(BETA),
                "--batch_prompts", str(PROMPTS), *SAMPLING_FLAGS, "--max_model_len", "160", *TRAINER_THREADS]
 STEPS = 40
+# The control's budget, fixed in steps so the same command trains the same control on any day and under any load:
+# the supervised steps one GRPO step costs. Measured on the 2-core machine alone, in the same runs (make demo-real
+# SEED=1 and SEED=2, docs/real_model.md): GRPO's 40 steps took 6.0 minutes, start-up included, and the control,
+# timed on the same minutes then (--max_minutes), made 60 steps. The control trains round(GRPO's steps x this).
+CONTROL_STEPS_PER_GRPO_STEP = 1.5
 
 # Greedy evaluation: room for the untouched model's long answers (~84-150 tokens) too.
 EVAL_FLAGS = ["--max_new_tokens", "128"]
