@@ -99,10 +99,3 @@ def use_threads_in_step(optimizer, threads):
 
     optimizer.register_step_pre_hook(more_threads)
     optimizer.register_step_post_hook(lambda *_: torch.set_num_threads(before.pop()))
-
-
-def grad_norm(engine):
-    """The gradients' 2-norm before clipping, where they sit whole on the parameters (ZeRO 0);
-    None under ZeRO 1-3, which partition them and keep the norm in the engine after step()."""
-    grads = [p.grad.norm() for p in engine.module.parameters() if p.grad is not None]
-    return torch.stack(grads).norm().item() if grads else None

@@ -10,7 +10,6 @@ from grpo_math import completion_mask, grpo_loss
 from simple_grpo.devices import max_over_ranks
 from simple_grpo.logprobs import sequence_logps
 from simple_grpo.run.metrics import add_part_stats
-from simple_grpo.trainer.deepspeed_engine import grad_norm
 
 
 def loss_options(cfg):
@@ -18,6 +17,13 @@ def loss_options(cfg):
     return {"beta": cfg.beta, "epsilon": cfg.epsilon, "epsilon_high": cfg.epsilon_high, "loss_type": cfg.loss_type,
             "importance_sampling_level": cfg.importance_sampling_level, "kl_estimator": cfg.kl_estimator,
             "max_completion_length": cfg.max_new_tokens, "impl": cfg.loss_impl}
+
+
+def grad_norm(engine):
+    """The gradients' 2-norm before clipping, where they sit whole on the parameters (ZeRO 0);
+    None under ZeRO 1-3, which partition them and keep the norm in the engine after step()."""
+    grads = [p.grad.norm() for p in engine.module.parameters() if p.grad is not None]
+    return torch.stack(grads).norm().item() if grads else None
 
 
 def optimizer_step(engine, loss):

@@ -1,0 +1,95 @@
+"""tools/reading_path.py: what a careful reader reads to understand one default step of grpo_train.py, as data.
+
+    python tools/reading_path.py            # the table docs/guide.md holds, with its files and lines counted
+
+One default step: the tiny model, beta 0.04, the reference server, no LoRA. PATH below names, in reading
+order, each file and the functions of it the step runs (None: the whole file); a function's own calls to
+functions of the same file are followed and counted too, so a helper cannot hide. Lines are counted from the
+code (ast: first decorator to last line, docstring and comments included), so a figure cannot go stale:
+tests/test_reading_path.py checks that docs/guide.md's table is this script's output.
+"""
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (file, the functions the step runs or None for the whole file, what the reader learns there)
+PATH = [
+    ("grpo_train.py", None, "the whole step, its stages marked `# GRPO 1.` to `4.` in `main`"),
+    ("simple_grpo/trainer/config.py", ["check_options", "default_lr"],
+     "the defaults the step depends on: lr, epsilon_high, scale_rewards, ref_url"),
+    ("grpo_math.py", ["grpo_objective", "completion_mask", "is_truncated", "group_advantages", "groups_with_signal",
+                      "completion_logps", "grpo_loss"], "the loss in a dozen lines, then each term as the step calls it"),
+    ("simple_grpo/task/problems.py", ["make_prompt", "stop_token_ids"], "the prompt and the stop tokens"),
+    ("simple_grpo/generation/hf_sampler.py", ["generate"], "stage 1: sampling from softmax(logits / T)"),
+    ("simple_grpo/rollouts.py", ["score_groups", "correct_rows", "rollout_stats"], "stage 2: rewards per group"),
+    ("simple_grpo/task/rewards.py", ["score", "correctness_reward", "format_reward", "extract_answer",
+                                     "pick_accuracy_reward"], "how a completion is scored"),
+    ("simple_grpo/protocol.py", ["uses_ref_server", "reference_logps_from_server"],
+     "stage 3, the trainer's side: the upload and the answer"),
+    ("ref_server.py", ["ref_worker"], "stage 3, the server's side: the order groups are served in"),
+    ("simple_grpo/reference/model.py", ["add_ref_logps"], "what the server computes"),
+    ("simple_grpo/logprobs.py", ["sequence_logps"], "the server's log-probs (the same numbers as completion_logps)"),
+    ("simple_grpo/trainer/update.py", ["loss_options", "optimizer_step", "step_stats"], "stage 4: the optimizer step"),
+    ("simple_grpo/trainer/deepspeed_config.py", ["flag_config"], "what engine.step() does: AdamW, the clip"),
+]
+
+
+def definitions(tree):
+    """Top-level functions and classes of a module: {name: node}."""
+    return {node.name: node for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+
+
+def span(node):
+    """The lines a definition takes: its first decorator to its last line."""
+    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+    return node.end_lineno - first + 1
+
+
+def followed(names, defs, path):
+    """names and every function of the same module they call by name, transitively, in first-seen order."""
+    missing = [name for name in names if name not in defs]
+    if missing:
+        raise SystemExit(f"reading_path: {path} has no {', '.join(missing)}: update PATH in tools/reading_path.py")
+    seen, todo = [], list(names)
+    while todo:
+        name = todo.pop(0)
+        if name in seen:
+            continue
+        seen.append(name)
+        for node in ast.walk(defs[name]):
+            if isinstance(node, ast.Name) and node.id in defs and node.id not in seen and node.id != name:
+                todo.append(node.id)
+    return seen
+
+
+def reading_path():
+    """[(file, [(function, lines)] or None, file's lines, lines read, why)] for PATH."""
+    rows = []
+    for path, names, why in PATH:
+        source = open(os.path.join(ROOT, path)).read()
+        total = len(source.splitlines())
+        if names is None:
+            rows.append((path, None, total, total, why))
+            continue
+        defs = definitions(ast.parse(source))
+        functions = [(name, span(defs[name])) for name in followed(names, defs, path)]
+        rows.append((path, functions, total, sum(n for _, n in functions), why))
+    return rows
+
+
+def table():
+    """The guide's table: a line per file, then the totals."""
+    rows = reading_path()
+    lines = ["| # | file | what is read (lines) | lines read / file | why |", "|---|---|---|---|---|"]
+    for i, (path, functions, total, read, why) in enumerate(rows, 1):
+        what = "all" if functions is None else ", ".join(f"`{name}` ({n})" for name, n in functions)
+        lines.append(f"| {i} | `{path}` | {what} | {read} / {total} | {why} |")
+    files, read = len(rows), sum(row[3] for row in rows)
+    lines.append(f"\n{files} files, {read} lines (counted by `python tools/reading_path.py`).")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table())
