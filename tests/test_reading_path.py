@@ -21,6 +21,12 @@ def test_a_functions_calls_into_its_own_file_are_followed_and_counted():
     assert "grad_norm" in rows["simple_grpo/trainer/update.py"]  # optimizer_step calls it
 
 
+def test_a_call_only_another_option_makes_is_not_counted():
+    rows = {path: dict(functions or []) for path, functions, *_ in reading_path.reading_path()}
+    assert "check_lora" not in rows["simple_grpo/trainer/config.py"]  # check_options calls it with --use_peft only
+    assert "check_lora" in reading_path.table()  # named as not run
+
+
 def test_the_path_covers_scoring_the_reference_and_the_defaults():
     files = [path for path, *_ in reading_path.PATH]
     for needed in ("simple_grpo/task/rewards.py", "simple_grpo/reference/model.py", "simple_grpo/trainer/config.py"):

@@ -4,7 +4,8 @@
 
 One default step: the tiny model, beta 0.04, the reference server, no LoRA. PATH below names, in reading
 order, each file and the functions of it the step runs (None: the whole file); a function's own calls to
-functions of the same file are followed and counted too, so a helper cannot hide. Lines are counted from the
+functions of the same file are followed and counted too, so a helper cannot hide, except those NOT_RUN names
+with the option that runs them (a reader of the default step skips that branch). Lines are counted from the
 code (ast: first decorator to last line, docstring and comments included), so a figure cannot go stale:
 tests/test_reading_path.py checks that docs/guide.md's table is this script's output.
 """
@@ -33,6 +34,10 @@ PATH = [
     ("simple_grpo/trainer/update.py", ["loss_options", "optimizer_step", "step_stats"], "stage 4: the optimizer step"),
     ("simple_grpo/trainer/deepspeed_config.py", ["flag_config"], "what engine.step() does: AdamW, the clip"),
 ]
+# functions the step's functions call only under an option the default step does not take: {file: {name: why}}
+NOT_RUN = {"simple_grpo/trainer/config.py": {"check_lora": "--use_peft"},
+           "grpo_math.py": {"capped_is_weight": "vLLM's log-probs: grpo_vllm_one.py"},
+           "simple_grpo/logprobs.py": {"token_entropy": "entropy=True: the trainer's, not the server's"}}
 
 
 def definitions(tree):
@@ -47,9 +52,10 @@ def span(node):
     return node.end_lineno - first + 1
 
 
-def followed(names, defs, path):
-    """names and every function of the same module they call by name, transitively, in first-seen order."""
-    missing = [name for name in names if name not in defs]
+def followed(names, defs, path, skip=()):
+    """names and every function of the same module they call by name, transitively, in first-seen order;
+    those in skip are not followed."""
+    missing = [name for name in [*names, *skip] if name not in defs]
     if missing:
         raise SystemExit(f"reading_path: {path} has no {', '.join(missing)}: update PATH in tools/reading_path.py")
     seen, todo = [], list(names)
@@ -59,7 +65,7 @@ def followed(names, defs, path):
             continue
         seen.append(name)
         for node in ast.walk(defs[name]):
-            if isinstance(node, ast.Name) and node.id in defs and node.id not in seen and node.id != name:
+            if isinstance(node, ast.Name) and node.id in defs and node.id not in [*seen, *skip, name]:
                 todo.append(node.id)
     return seen
 
@@ -74,7 +80,7 @@ def reading_path():
             rows.append((path, None, total, total, why))
             continue
         defs = definitions(ast.parse(source))
-        functions = [(name, span(defs[name])) for name in followed(names, defs, path)]
+        functions = [(name, span(defs[name])) for name in followed(names, defs, path, NOT_RUN.get(path, {}))]
         rows.append((path, functions, total, sum(n for _, n in functions), why))
     return rows
 
@@ -85,6 +91,7 @@ def table():
     lines = ["| # | file | what is read (lines) | lines read / file | why |", "|---|---|---|---|---|"]
     for i, (path, functions, total, read, why) in enumerate(rows, 1):
         what = "all" if functions is None else ", ".join(f"`{name}` ({n})" for name, n in functions)
+        what += "".join(f"; not `{name}` ({why} only)" for name, why in NOT_RUN.get(path, {}).items())
         lines.append(f"| {i} | `{path}` | {what} | {read} / {total} | {why} |")
     files, read = len(rows), sum(row[3] for row in rows)
     lines.append(f"\n{files} files, {read} lines (counted by `python tools/reading_path.py`).")
