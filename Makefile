@@ -7,7 +7,7 @@
 # Both create .venv/ and install the requirements on first use (tools/install.sh).
 PY := .venv/bin/python
 
-.PHONY: install demo demo-real test test-all test-gpu bench-gpu bench-trl bench-trl-real bench-lora data model smollm2 probe report chromium clean
+.PHONY: install demo demo-real test test-all test-gpu notebook bench-gpu bench-trl bench-trl-real bench-lora data model smollm2 probe report chromium clean
 
 install:
 	@bash tools/install.sh
@@ -62,6 +62,10 @@ bench-lora: smollm2
 	$(PY) bench/lora.py --model $$($(PY) -c "from tools.fetch_smollm2 import model_dir; print(model_dir())") \
 	    --steps 8 --skip 2 --lr 1e-5 -- --batch_prompts 2 --num_generations 4 --max_new_tokens 64 \
 	    --reward_file tests/signal_rewards.py --reward_funcs mentions_answer,brevity --reward_weights 1,0.5
+
+# The lesson notebook's executed form, notebooks/one_grpo_step_executed.ipynb, after an edit (tools/run_notebook.py)
+notebook: install
+	$(PY) tools/run_notebook.py
 
 # Rebuild the committed tiny world from its seeds (no run needs this).
 data: install
