@@ -19,7 +19,8 @@ demo: install
 	$(PY) tools/demo.py --seed $(SEED) --trainer $(TRAINER) $(if $(LORA),--lora)
 
 # SmolLM2-135M-Instruct: fetch (cached), the best supervised start (cached), probe, GRPO with LoRA, the supervised
-# control for GRPO's minutes, one table with GRPO's paired gains (tools/demo_real.py)
+# control (1.5 supervised steps per GRPO step: what GRPO's minutes bought alone), one table with GRPO's paired
+# gains (tools/demo_real.py)
 # SETTING=answers: worked solutions for 300 problems only, final answers for the rest; GRPO against RAFT
 # START_SEED=1: another supervised start (its own problem draws), cached apart
 demo-real: smollm2
