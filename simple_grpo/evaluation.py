@@ -173,13 +173,47 @@ def across_seeds(values):
     the standard error, t the 95% two-sided quantile of Student's t with seeds - 1 degrees of freedom (4.30 for
     3 seeds, 2.14 for 15: a handful of seeds needs a much wider interval than +-1.96). One seed has no
     interval: refused."""
+    mean, low, high = interval_across(values, 0.95)
+    return {"mean": mean, "ci95": [low, high], "seeds": len(values)}
+
+
+def interval_across(values, coverage):
+    """(mean, low, high): the mean of values (one per run or seed) +- Student's t at `coverage` (two-sided, runs -
+    1 degrees of freedom) x the standard error."""
     n = len(values)
     if n < 2:
         raise ValueError(f"an interval across seeds needs 2 or more seeds, got {n}")
     mean = sum(values) / n
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    half = t_quantile(0.95, n - 1) * sd / math.sqrt(n)
-    return {"mean": mean, "ci95": [mean - half, mean + half], "seeds": n}
+    half = t_quantile(coverage, n - 1) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def equivalence_verdict(low, high, margin):
+    """The pre-registered verdict on a difference A - B from its interval [low, high] and an equivalence margin:
+    "equivalent" inside [-margin, +margin], else "A ahead" above 0, "B ahead" below 0, else "undecided"."""
+    if -margin <= low and high <= margin:
+        return "equivalent"
+    return "A ahead" if low > 0 else "B ahead" if high < 0 else "undecided"
+
+
+def pass_at_k(n, c, k):
+    """The unbiased estimate of pass@k from n samples of which c are correct (Chen et al. 2021):
+    1 - C(n - c, k) / C(n, k), the chance that k of the n drawn without replacement hold a correct one."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_at_k_curve(rows, key="correctness"):
+    """{k: the mean over problems of pass@k} for k = 1 .. the samples per problem, from write_details rows (every
+    problem with the same number of samples)."""
+    n = {len(r["scores"]) for r in rows}
+    if len(n) != 1:
+        raise ValueError(f"pass@k needs the same number of samples per problem, got {sorted(n)}")
+    n = n.pop()
+    return {k: sum(pass_at_k(n, sum(bool(s[key]) for s in r["scores"]), k) for r in rows) / len(rows)
+            for k in range(1, n + 1)}
 
 
 def context_length(tokenizer, prompts, max_new_tokens, model_dir):

@@ -128,7 +128,8 @@ def tiny_warm_start(out, *args):
 
 def test_the_report_records_the_steps_each_arm_trained_the_commit_the_start_and_every_flag(tmp_path):
     """provenance() on a real (tiny) start and a control trained from it for control_steps(2) steps."""
-    from tools.demo_real import control_steps, git_commit, provenance
+    from simple_grpo.run.launch import git_commit
+    from tools.demo_real import control_steps, provenance
     start, control = tmp_path / "start", tmp_path / "control"
     tiny_warm_start(start, "--steps", "2")
     control_argv = ["tools/warm_start.py", "--model", str(start), "--out", str(control), "--steps",
@@ -178,7 +179,7 @@ def test_the_recipes_start_and_fewer_solutions_are_accepted():
 
 def test_the_evaluated_checkpoint_is_the_last_one_the_trainer_saved(tmp_path):
     """--steps after -- changes the steps trained: the checkpoint evaluated follows them."""
-    from tools.demo_real import trained_checkpoint
+    from simple_grpo.run.launch import trained_checkpoint
     for d in ("step_2", "step_10", "step_12.tmp", "control"):  # step_12.tmp: a save a kill cut short
         (tmp_path / d).mkdir()
     assert trained_checkpoint(str(tmp_path)) == (str(tmp_path / "step_10"), 10)
@@ -187,7 +188,7 @@ def test_the_evaluated_checkpoint_is_the_last_one_the_trainer_saved(tmp_path):
 
 
 def test_base_and_start_are_evaluated_once_per_start_and_cached_beside_it(tmp_path, capsys):
-    from tools.demo_real import cached_evaluate
+    from simple_grpo.run.launch import cached_evaluate
     start, env = tmp_path / "start", dict(os.environ)
     start.mkdir()
     eval_args = ["--backend", "hf", "--n", "4"]

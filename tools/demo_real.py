@@ -38,27 +38,23 @@ solutions of the problems GRPO and RAFT get as answers only.
 The trainer is stopped at the end, on errors, on Ctrl-C and on SIGTERM.
 """
 import argparse
-import hashlib
 import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from simple_grpo.evaluation import paired_gain, print_before_after, read_details  # noqa: E402
-from simple_grpo.run.checkpoints import checkpoint_dirs  # noqa: E402
-from simple_grpo.run.launch import ROOT, TEST, evaluate, smollm2_warm_start, stop  # noqa: E402
+from simple_grpo.run.launch import (ROOT, TEST, cached_evaluate, evaluate, git_commit, run_child,  # noqa: E402
+                                    smollm2_warm_start, trained_checkpoint)
 from simple_grpo.run.smollm2_recipe import (CONTROL_FLAGS, CONTROL_STEPS_PER_GRPO_STEP, EVAL_FLAGS,  # noqa: E402
-                                            FEW_SOLUTIONS, FEW_START_FLAGS, SAMPLING_FLAGS, STEPS, SYSTEM_PROMPT,
-                                            TRAIN_FLAGS, WARM_START_FLAGS)
-from simple_grpo.task.problems import load_jsonl  # noqa: E402
+                                            FEW_SOLUTIONS, FEW_START_FLAGS, SAMPLING_FLAGS, STEPS, SYSTEM_PROMPT, TRAIN,
+                                            TRAIN_FLAGS, WARM_START_FLAGS, write_answers_only)
 
 KEEP = ("accuracy", "accuracy_strict", "format_rate", "accuracy_in_format", "mean_tokens", "n")
 MODELS = ("base", "before", "control", "after")
-TRAIN = "data/toy_math/train.jsonl"  # the training problems: the start's (tools/warm_start.py's default --train)
 
 
 def start_flags(args, recipe):
@@ -114,24 +110,6 @@ def control_steps_derivation(grpo_steps):
             f"(smollm2_recipe.CONTROL_STEPS_PER_GRPO_STEP)) = {control_steps(grpo_steps)}")
 
 
-def trained_checkpoint(run_dir):
-    """(the last checkpoint a trainer saved in run_dir, its step): the steps actually trained, whatever --steps
-    the trainer was given."""
-    saved = checkpoint_dirs(run_dir) if os.path.isdir(run_dir) else []
-    if not saved:
-        raise SystemExit(f"{run_dir} holds no checkpoint step_N/: the trainer saved nothing to evaluate")
-    return saved[-1], int(saved[-1].rsplit("_", 1)[1])
-
-
-def git_commit(where=ROOT):
-    """The commit checked out at `where` (git rev-parse HEAD), or None outside a git checkout or without git."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True)
-    except OSError:
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
 def provenance(start, control, commands, trained):
     """What report.json records beside the figures, to tell one run from another: the commit; the start's
     directory, cache key and every flag that made it (its warm_start.json); each arm's command line (commands:
@@ -147,36 +125,6 @@ def provenance(start, control, commands, trained):
             "control_steps_derivation": control_steps_derivation(trained["grpo"]), "commit": git_commit(),
             "start": {"dir": shown(start), "key": record["key"], "recipe": record["recipe"]},
             "flags": {arm: [shown(arg) for arg in argv] for arm, argv in commands.items()}}
-
-
-def cached_evaluate(name, model, start, env, eval_args, details):
-    """evaluate() of a model that does not change with the seed (base, the start), cached in the start's
-    directory: evals/eval_NAME_KEY.json (its figures) and .jsonl (its details, copied to `details`), KEY a hash of
-    the model, the test data and the evaluation flags. Made once per start and flags; delete evals/ to redo it."""
-    key = hashlib.sha256(json.dumps([model, TEST, list(eval_args)]).encode()).hexdigest()[:12]
-    cache = os.path.join(ROOT, start, "evals", f"eval_{name}_{key}")
-    if not os.path.isfile(cache + ".json"):  # written last: a cache without it is incomplete
-        os.makedirs(os.path.dirname(cache), exist_ok=True)
-        figures = evaluate(model, env, TEST, [*eval_args, "--details", cache + ".jsonl"])
-        with open(cache + ".json", "w") as f:
-            json.dump(figures, f)
-    else:
-        with open(cache + ".json") as f:
-            figures = json.load(f)
-        print(f"{name}: the evaluation cached in {os.path.relpath(cache, ROOT)}.json, accuracy "
-              f"{figures['accuracy']:.3f} (delete it to evaluate again)", flush=True)
-    shutil.copyfile(cache + ".jsonl", details)
-    return figures
-
-
-def run(cmd, env, what):
-    """A step of the demo as a child process, stopped with us; its failure stops the demo naming it."""
-    proc = subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env=env)
-    try:
-        if proc.wait() != 0:
-            raise SystemExit(f"{what} failed with exit code {proc.returncode}")
-    finally:
-        stop(proc)
 
 
 def gain_row(before, after):
@@ -230,7 +178,7 @@ def main():
         print(f"before = step {best['step']} of the supervised start, dev accuracy {best['accuracy']:.3f}")
 
     print("\n== 2/6 probe: will GRPO get a signal from it?", flush=True)
-    run(["tools/probe.py", "--model", before, "--n", "32", *prompt, *SAMPLING_FLAGS], env, "the probe")
+    run_child(["tools/probe.py", "--model", before, "--n", "32", *prompt, *SAMPLING_FLAGS], env, "the probe")
 
     print(f"\n== 3/6 evaluate the untouched model (base) and the supervised start (before) on {args.n} test "
           "problems", flush=True)
@@ -247,7 +195,7 @@ def main():
     commands = {"grpo": ["grpo_vllm_one.py", "--model", before, *prompt, *TRAIN_FLAGS, "--save_every", "1000",
                          "--log_completions_every", "2", "--run_name", run_name, "--overwrite", "--seed",
                          str(args.seed), "--steps", str(args.steps), *args.train_args]}
-    run(commands["grpo"], env, "grpo_vllm_one.py")
+    run_child(commands["grpo"], env, "grpo_vllm_one.py")
     grpo_minutes = (time.time() - t_grpo) / 60
     after, grpo_steps = trained_checkpoint(run_dir)
 
@@ -259,7 +207,7 @@ def main():
     # its own problem draws (seed 1000 + S), not the supervised start's again
     commands["control"] = ["tools/warm_start.py", "--model", before, "--out", control, *prompt, *CONTROL_FLAGS,
                            "--steps", str(control_steps(grpo_steps)), "--seed", str(1000 + args.seed)]
-    run(commands["control"], env, "the supervised control")
+    run_child(commands["control"], env, "the supervised control")
 
     print("\n== 6/6 evaluate GRPO's model (after) and the control", flush=True)
     figures["after"] = evaluate(after, env, TEST, [*eval_args, "--details", details["after"]])
@@ -292,12 +240,8 @@ def answers_demo(args):
 
     print(f"\n== 1/5 the data: worked solutions for the first {FEW_SOLUTIONS} training problems, final answers only "
           "for the rest", flush=True)
-    train = load_jsonl(os.path.join(ROOT, TRAIN))
     answers_only = os.path.join(run_dir, "answers_only.jsonl")
-    with open(answers_only, "w") as f:  # the question and "#### N": what GRPO and RAFT are given
-        for p in train[FEW_SOLUTIONS:]:
-            f.write(json.dumps({"question": p["question"], "answer": "#### " + p["answer"].split("####")[-1].strip()})
-                    + "\n")
+    write_answers_only(answers_only)
 
     print(f"\n== 2/5 SmolLM2-135M-Instruct and its start: supervised on the {FEW_SOLUTIONS} solutions (cached)",
           flush=True)
@@ -310,7 +254,7 @@ def answers_demo(args):
         commands[name] = ["grpo_vllm_one.py", "--model", start, "--dataset", answers_only, *prompt, *TRAIN_FLAGS,
                           *extra, "--save_every", "1000", "--run_name", f"{run_name}_{name}", "--overwrite", "--seed",
                           str(args.seed), "--steps", str(args.steps), *args.train_args]
-        run(commands[name], env, f"grpo_vllm_one.py ({name})")
+        run_child(commands[name], env, f"grpo_vllm_one.py ({name})")
         minutes[name] = (time.time() - t) / 60
         trained[name], steps[name] = trained_checkpoint(os.path.join(ROOT, "runs", f"{run_name}_{name}"))
 
@@ -323,7 +267,7 @@ def answers_demo(args):
     commands["control"] = ["tools/warm_start.py", "--model", start, "--out", control, *prompt, *CONTROL_FLAGS,
                            "--train_n", str(FEW_SOLUTIONS), "--lr_schedule", "linear", "--steps",
                            str(control_steps(steps["grpo"])), "--seed", str(1000 + args.seed)]
-    run(commands["control"], env, "the supervised control")
+    run_child(commands["control"], env, "the supervised control")
 
     print(f"\n== 5/5 evaluate the five models on {args.n} test problems (base and start: once per start, cached)",
           flush=True)

@@ -1,8 +1,12 @@
 """Starting this project's own processes from a script or a test: the reference server in the background
-(ready once its /health answers), evaluate.py on a checkpoint, a free port. tools/demo.py, the benches
-and the tests use them; MODEL, TEST and TINY_WORLD_FLAGS are the tiny default world's."""
+(ready once its /health answers), evaluate.py on a checkpoint (cached for a model that does not change), a
+script as a child process, a free port, SmolLM2's supervised start. tools/demo.py, tools/demo_real.py,
+tools/study_real.py, the benches and the tests use them; MODEL, TEST and TINY_WORLD_FLAGS are the tiny default
+world's."""
+import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -10,6 +14,7 @@ import time
 
 import requests
 
+from simple_grpo.run.checkpoints import checkpoint_dirs
 from simple_grpo.run.smollm2_recipe import SYSTEM_PROMPT, WARM_START_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
@@ -94,3 +99,51 @@ def evaluate(model_dir, env, data=TEST, args=()):
     table, last = out.stdout.rstrip().rsplit("\n", 1)
     print(table, flush=True)
     return json.loads(last)
+
+
+def trained_checkpoint(run_dir):
+    """(the last checkpoint a trainer saved in run_dir, its step): the steps actually trained, whatever --steps
+    the trainer was given."""
+    saved = checkpoint_dirs(run_dir) if os.path.isdir(run_dir) else []
+    if not saved:
+        raise SystemExit(f"{run_dir} holds no checkpoint step_N/: the trainer saved nothing to evaluate")
+    return saved[-1], int(saved[-1].rsplit("_", 1)[1])
+
+
+def git_commit(where=ROOT):
+    """The commit checked out at `where` (git rev-parse HEAD), or None outside a git checkout or without git."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True)
+    except OSError:
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def cached_evaluate(name, model, start, env, eval_args, details):
+    """evaluate() of a model that does not change with the seed (base, the start), cached in the start's
+    directory: evals/eval_NAME_KEY.json (its figures) and .jsonl (its details, copied to `details`), KEY a hash of
+    the model, the test data and the evaluation flags. Made once per start and flags; delete evals/ to redo it."""
+    key = hashlib.sha256(json.dumps([model, TEST, list(eval_args)]).encode()).hexdigest()[:12]
+    cache = os.path.join(ROOT, start, "evals", f"eval_{name}_{key}")
+    if not os.path.isfile(cache + ".json"):  # written last: a cache without it is incomplete
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        figures = evaluate(model, env, TEST, [*eval_args, "--details", cache + ".jsonl"])
+        with open(cache + ".json", "w") as f:
+            json.dump(figures, f)
+    else:
+        with open(cache + ".json") as f:
+            figures = json.load(f)
+        print(f"{name}: the evaluation cached in {os.path.relpath(cache, ROOT)}.json, accuracy "
+              f"{figures['accuracy']:.3f} (delete it to evaluate again)", flush=True)
+    shutil.copyfile(cache + ".jsonl", details)
+    return figures
+
+
+def run_child(cmd, env, what):
+    """A step of a demo or study (a script of this repository and its flags) as a child process, stopped with us; its failure stops the demo naming it."""
+    proc = subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env=env)
+    try:
+        if proc.wait() != 0:
+            raise SystemExit(f"{what} failed with exit code {proc.returncode}")
+    finally:
+        stop(proc)

@@ -44,7 +44,21 @@ EVAL_FLAGS = ["--max_new_tokens", "128"]
 # for the rest, as most math and code RL data comes. A few hundred worked solutions is what one person writes
 # in a day; the other 19,700 training problems keep their final answer only ("#### N").
 FEW_SOLUTIONS = 300
+TRAIN = "data/toy_math/train.jsonl"  # the training problems: the start's (tools/warm_start.py's default --train)
 # The start: supervised on those few at the recipe's batch and lr, falling linearly to 0 over 150 steps (4
 # epochs of the 300), dev accuracy every 50 steps, the best kept.
 FEW_START_FLAGS = [*SUPERVISED_FLAGS, "--train_n", str(FEW_SOLUTIONS), "--lr_schedule", "linear", "--steps", "150",
                    "--eval_every", "50"]
+
+
+def write_answers_only(path):
+    """TRAIN's problems after the first FEW_SOLUTIONS, each with its final answer only ("#### N", no worked
+    solution), to the .jsonl file at path: what GRPO and RAFT are given in setting (b)."""
+    import json
+    import os
+    from simple_grpo.task.problems import load_jsonl
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(path, "w") as f:
+        for p in load_jsonl(os.path.join(root, TRAIN))[FEW_SOLUTIONS:]:
+            f.write(json.dumps({"question": p["question"], "answer": "#### " + p["answer"].split("####")[-1].strip()})
+                    + "\n")

@@ -1,0 +1,90 @@
+"""tools/study_real.py, issue 50's pre-registered study: its commands (each arm on the correctness reward alone,
+otherwise one recipe), and its analysis (pass@k, the verdict on GRPO - RAFT with its 90% interval across runs
+against a 3-point margin), on written evaluations; the study itself (~7 hours) is not run here."""
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from simple_grpo.evaluation import equivalence_verdict, pass_at_k, pass_at_k_curve
+from simple_grpo.flags import parse_flags
+from simple_grpo.run.launch import ROOT
+from tools import study_real
+
+
+def test_pass_at_k_is_the_unbiased_estimate():
+    assert pass_at_k(8, 0, 1) == 0 and pass_at_k(8, 8, 1) == 1
+    assert pass_at_k(8, 2, 1) == pytest.approx(2 / 8)
+    assert pass_at_k(8, 2, 8) == 1  # 8 of 8 drawn: the 2 correct ones are among them
+    assert pass_at_k(8, 1, 4) == pytest.approx(1 - (7 * 6 * 5 * 4) / (8 * 7 * 6 * 5))  # 1 - C(7,4)/C(8,4) = 0.5
+    with pytest.raises(ValueError):
+        pass_at_k(8, 9, 1)
+
+
+def test_pass_at_k_curve_averages_over_problems_for_every_k():
+    rows = [{"scores": [{"correctness": c} for c in (1, 0, 0, 0)]}, {"scores": [{"correctness": 0}] * 4}]
+    curve = pass_at_k_curve(rows)
+    assert list(curve) == [1, 2, 3, 4]
+    assert curve[1] == pytest.approx(0.125) and curve[4] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("low, high, verdict", [(-2.0, 2.5, "equivalent"), (0.5, 6.0, "A ahead"),
+                                                (-7.0, -1.0, "B ahead"), (-4.0, 1.0, "undecided")])
+def test_the_equivalence_verdict_follows_the_pre_registered_rule(low, high, verdict):
+    assert equivalence_verdict(low, high, 3.0) == verdict
+
+
+def test_every_arm_trains_on_the_correctness_reward_alone_with_one_recipe_and_two_checkpoints():
+    from grpo_vllm_one import Config
+    args = SimpleNamespace(name="study50", steps=80)
+    commands = {arm: study_real.train_command(args, "START", "answers.jsonl", 1, 2, arm)[1] for arm in study_real.ARMS}
+    for arm, cmd in commands.items():
+        cfg = parse_flags(Config, args=cmd[1:])  # every flag is grpo_vllm_one.py's
+        assert (cfg.reward_funcs, cfg.reward_weights, cfg.steps, cfg.save_every, cfg.seed) == \
+            ("correctness", "1.0", 80, 40, 2)
+    configs = {arm: parse_flags(Config, args=cmd[1:]) for arm, cmd in commands.items()}
+    assert configs["raft"].advantage_estimator == "raft"
+    assert (configs["reinforce_rej"].advantage_estimator, configs["reinforce_rej"].scale_rewards) == ("grpo", "none")
+    assert (configs["grpo"].advantage_estimator, configs["grpo"].scale_rewards) == ("grpo", "group")
+    def recipe(cmd, arm):  # the command less the arm's own flags and its run's name
+        name = cmd.index("--run_name")
+        return [a for a in cmd[:name] + cmd[name + 2:] if a not in study_real.ARMS[arm]]
+    assert recipe(commands["grpo"], "grpo") == recipe(commands["raft"], "raft") == \
+        recipe(commands["reinforce_rej"], "reinforce_rej")  # otherwise one recipe
+
+
+def test_the_dry_run_lists_two_starts_three_seeds_three_arms(tmp_path):
+    done = subprocess.run([sys.executable, "tools/study_real.py", "--dry_run", "--name", "test_study"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    runs = [line for line in done.stdout.splitlines() if line.startswith("run ")]
+    assert len(runs) == 18 and not os.path.exists(os.path.join(ROOT, "runs", "test_study_start0_seed0_grpo"))
+
+
+def write_details(path, correct):
+    with open(path, "w") as f:
+        for c in correct:
+            f.write(json.dumps({"question": "q", "scores": [{"correctness": c}]}) + "\n")
+
+
+def test_the_analysis_gives_grpo_minus_raft_per_run_and_the_verdict(tmp_path, monkeypatch):
+    runs = {}
+    for start in (0, 1):
+        for seed in (0, 1, 2):
+            for arm, right in (("grpo", 52 + seed), ("raft", 50), ("reinforce_rej", 50)):  # of 100 problems
+                path = tmp_path / f"s{start}{seed}{arm}.jsonl"
+                write_details(path, [1] * right + [0] * (100 - right))
+                runs[f"start{start}_seed{seed}_{arm}"] = {"start": f"start{start}", "seed": seed, "arm": arm,
+                                                           "greedy": str(path), "greedy_half": str(path),
+                                                           "passk": str(path)}
+    args = SimpleNamespace(steps=80, starts=[0, 1], seeds=[0, 1, 2], name=str(tmp_path / "study"))
+    os.makedirs(args.name)
+    monkeypatch.setattr(study_real, "study_dir", lambda a: a.name)  # the plot goes beside the runs
+    report = study_real.analyse(runs, args)
+    primary = report["comparisons"]["grpo - raft (greedy)"]
+    assert primary["per_run"] == [2.0, 3.0, 4.0, 2.0, 3.0, 4.0] and primary["mean"] == 3.0
+    assert report["verdict"] == primary["verdict"] == "grpo ahead"  # 90% interval [2.3, 3.7]: above 0, past +3
+    assert report["complete"] and os.path.isfile(os.path.join(args.name, "pass_at_k.png"))

@@ -1,0 +1,214 @@
+"""tools/study_real.py: issue 50's pre-registered study (docs/real_model.md): GRPO, RAFT and Reinforce-Rej on
+answers-only problems, SmolLM2-135M-Instruct, two starts x three seeds, and the verdict decided before it ran.
+
+    python tools/study_real.py                 # all of it: ~7 hours on 2 cores; run it again to continue
+    python tools/study_real.py --dry_run       # the commands, in order, and nothing run
+    python tools/study_real.py --analyse_only  # the table, verdict and plot from the runs done so far
+
+For each start (tools/warm_start.py on the first 300 worked solutions, --start_seed 0 and 1, cached), each seed
+and each arm, grpo_vllm_one.py trains --steps steps (80) on the other 19,700 problems' final answers with the
+recipe (simple_grpo/run/smollm2_recipe.py) on the correctness reward alone, saving step --steps/2 and --steps;
+both are evaluated greedily on the 500 test problems, and step --steps and the start by pass@k (8 samples at
+the training temperature on the first 200). A run, an evaluation, a start whose files exist is not done again:
+the study goes on where it stopped. Everything lands in runs/study50/ (runs/study50/report.json at the end).
+
+The verdict (pre-registered): D = GRPO - RAFT at step --steps, greedy, in points, one per run; the mean of the
+runs' D with its 90% interval across runs (Student's t); "equivalent" inside +-3 points, "GRPO ahead" above 0,
+"RAFT ahead" below 0, else "undecided". The arms:
+  grpo           --advantage_estimator grpo --scale_rewards group
+  raft           --advantage_estimator raft (the correct completions, advantage 1)
+  reinforce_rej  --advantage_estimator grpo --scale_rewards none (r - mean(r); all-alike groups dropped)
+"""
+import argparse
+import json
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+from simple_grpo.evaluation import (equivalence_verdict, interval_across, pass_at_k_curve, problem_score,  # noqa: E402
+                                    read_details)
+from simple_grpo.run.launch import ROOT, cached_evaluate, run_child, smollm2_warm_start  # noqa: E402
+from simple_grpo.run.smollm2_recipe import (EVAL_FLAGS, FEW_START_FLAGS, SYSTEM_PROMPT, TRAIN_FLAGS,  # noqa: E402
+                                            write_answers_only)
+from simple_grpo.task.config import TaskConfig  # noqa: E402
+
+ARMS = {"grpo": ["--advantage_estimator", "grpo", "--scale_rewards", "group"],
+        "raft": ["--advantage_estimator", "raft"],
+        "reinforce_rej": ["--advantage_estimator", "grpo", "--scale_rewards", "none"]}
+CORRECTNESS_ONLY = ["--reward_funcs", "correctness", "--reward_weights", "1.0"]  # RAFT selects on it alone too
+MARGIN, COVERAGE = 3.0, 0.90  # points; the interval across runs
+PASSK_SAMPLES = 8
+
+
+def study_dir(args):
+    return os.path.join(ROOT, "runs", args.name)
+
+
+def start_of(start_seed, env, dry_run):
+    """(base, start) directories: the supervised start on the 300 solutions for this start seed (cached)."""
+    flags = FEW_START_FLAGS + (["--seed", str(start_seed)] if start_seed else [])
+    if dry_run:
+        print(f"start {start_seed}: tools/warm_start.py {' '.join(flags)}  (cached after the first time)")
+        return "BASE", f"START{start_seed}"
+    return smollm2_warm_start(env, flags)
+
+
+def train_command(args, start, answers_only, start_seed, seed, arm):
+    """grpo_vllm_one.py's command line for one arm of one run: the recipe, the correctness reward alone, the arm."""
+    name = f"{args.name}_start{start_seed}_seed{seed}_{arm}"
+    return name, ["grpo_vllm_one.py", "--model", start, "--dataset", answers_only, "--system_prompt", SYSTEM_PROMPT,
+                  *TRAIN_FLAGS, *CORRECTNESS_ONLY, *ARMS[arm], "--steps", str(args.steps),
+                  "--save_every", str(args.steps // 2), "--log_completions_every", "0", "--seed", str(seed),
+                  "--run_name", name, "--overwrite"]
+
+
+def greedy_args(args):
+    return ["--system_prompt", SYSTEM_PROMPT, *EVAL_FLAGS, "--n", str(args.n)]
+
+
+def passk_args(args):
+    return ["--system_prompt", SYSTEM_PROMPT, *EVAL_FLAGS, "--n", str(args.passk_n), "--samples", str(PASSK_SAMPLES),
+            "--temperature", str(TaskConfig().temperature)]
+
+
+def evaluate_once(name, model, where, env, eval_args, dry_run):
+    """cached_evaluate into where/evals/; the details file's path (where/NAME.jsonl)."""
+    details = os.path.join(where, f"{name}.jsonl")
+    if dry_run:
+        print(f"  evaluate {name}: evaluate.py --model {model} {' '.join(eval_args)}")
+    elif not os.path.isfile(details):
+        cached_evaluate(name, model, where, env, eval_args, details)
+    return details
+
+
+def run_study(args, env):
+    """Every start, run and evaluation the study needs that is not on disk yet; returns {run: details files}."""
+    out = study_dir(args)
+    os.makedirs(out, exist_ok=True)
+    answers_only = os.path.join(out, "answers_only.jsonl")
+    write_answers_only(answers_only)
+    done = {}
+    for start_seed in args.starts:
+        _, start = start_of(start_seed, env, args.dry_run)
+        where = os.path.join(out, f"start{start_seed}")
+        os.makedirs(where, exist_ok=True)
+        done[f"start{start_seed}"] = {"passk": evaluate_once("passk", start, where, env, passk_args(args), args.dry_run)}
+        for seed in args.seeds:
+            for arm in ARMS:
+                name, cmd = train_command(args, start, answers_only, start_seed, seed, arm)
+                run_dir = os.path.join(ROOT, "runs", name)
+                last = os.path.join(run_dir, f"step_{args.steps}")
+                if args.dry_run:
+                    print(f"run {name}: {' '.join(cmd)}")
+                elif not os.path.isdir(last):
+                    run_child(cmd, env, f"grpo_vllm_one.py ({name})")
+                half = os.path.join(run_dir, f"step_{args.steps // 2}")
+                done[name] = {"start": f"start{start_seed}", "seed": seed, "arm": arm,
+                              "greedy_half": evaluate_once("greedy_half", half, run_dir, env, greedy_args(args),
+                                                           args.dry_run),
+                              "greedy": evaluate_once("greedy", last, run_dir, env, greedy_args(args), args.dry_run),
+                              "passk": evaluate_once("passk", last, run_dir, env, passk_args(args), args.dry_run)}
+                if not args.dry_run:  # what is done so far, for --analyse_only while the study goes on
+                    with open(os.path.join(out, "runs.json"), "w") as f:
+                        json.dump(done, f, indent=1)
+    return done
+
+
+def accuracy(path):
+    rows = read_details(path)
+    return sum(problem_score(r) for r in rows) / len(rows)
+
+
+def difference(runs, a, b, key="greedy"):
+    """Arm a - arm b in points, one per (start, seed): the same problems, so each run's difference is paired."""
+    pairs = {}
+    for r in runs.values():
+        if "arm" in r:
+            pairs.setdefault((r["start"], r["seed"]), {})[r["arm"]] = accuracy(r[key])
+    return [100 * (arms[a] - arms[b]) for _, arms in sorted(pairs.items()) if a in arms and b in arms]
+
+
+def analyse(runs, args):
+    """The pre-registered verdict and the secondary figures, as a dict (report.json), and the pass@k plot."""
+    report = {"steps": args.steps, "margin_points": MARGIN, "coverage": COVERAGE, "comparisons": {}}
+    for a, b in (("grpo", "raft"), ("reinforce_rej", "raft"), ("grpo", "reinforce_rej")):
+        for key in ("greedy", "greedy_half"):
+            diffs = difference(runs, a, b, key)
+            entry = {"runs": len(diffs), "per_run": [round(d, 2) for d in diffs]}
+            if len(diffs) >= 2:
+                mean, low, high = interval_across(diffs, COVERAGE)
+                verdict = equivalence_verdict(low, high, MARGIN).replace("A ahead", f"{a} ahead") \
+                    .replace("B ahead", f"{b} ahead")
+                entry.update(mean=round(mean, 2), interval=[round(low, 2), round(high, 2)], verdict=verdict)
+            report["comparisons"][f"{a} - {b} ({key})"] = entry
+    primary = report["comparisons"]["grpo - raft (greedy)"]
+    report["verdict"] = primary.get("verdict", "undecided: fewer than 2 runs")
+    report["complete"] = primary["runs"] == len(args.starts) * len(args.seeds)
+    curves = {}
+    for label, pick in (("start", lambda r: "arm" not in r), *((arm, lambda r, a=arm: r.get("arm") == a)
+                                                                for arm in ARMS)):
+        files = [r["passk"] for r in runs.values() if pick(r)]
+        per_file = [pass_at_k_curve(read_details(f)) for f in files]
+        if per_file:
+            curves[label] = {k: sum(c[k] for c in per_file) / len(per_file) for k in per_file[0]}
+    report["pass_at_k"] = {label: {str(k): round(v, 4) for k, v in c.items()} for label, c in curves.items()}
+    plot_pass_at_k(curves, os.path.join(study_dir(args), "pass_at_k.png"))
+    return report
+
+
+def plot_pass_at_k(curves, path):
+    """pass@k against k, one line per model, pooled over the runs: single-sample accuracy (k = 1) against what
+    k samples reach."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, curve in curves.items():
+        ax.plot(list(curve), list(curve.values()), marker="o", label=label)
+    ax.set(xlabel="k (samples per problem)", ylabel="pass@k", title="pass@k, pooled over runs")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=80, help="steps per run; --steps/2 is evaluated too (even number)")
+    ap.add_argument("--starts", type=int, nargs="+", default=[0, 1], help="start seeds (tools/warm_start.py --seed)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds of each start")
+    ap.add_argument("--n", type=int, default=500, help="test problems for greedy accuracy")
+    ap.add_argument("--passk_n", type=int, default=200, help="test problems for pass@k (8 samples each)")
+    ap.add_argument("--name", default="study50", help="runs/NAME/ holds the study; its runs are runs/NAME_*")
+    ap.add_argument("--dry_run", action="store_true", help="print the commands in order; run nothing")
+    ap.add_argument("--analyse_only", action="store_true", help="no new run: the table from the runs on disk")
+    args = ap.parse_args()
+    if args.steps < 2 or args.steps % 2:
+        raise SystemExit(f"--steps {args.steps}: the study evaluates step --steps/2 too; give an even number >= 2")
+    if args.dry_run and args.analyse_only:
+        raise SystemExit("--dry_run and --analyse_only: pick one")
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.analyse_only:
+        path = os.path.join(study_dir(args), "runs.json")
+        if not os.path.isfile(path):
+            raise SystemExit(f"--analyse_only: {path} does not exist: no run of the study has finished yet")
+        with open(path) as f:
+            runs = json.load(f)
+    else:
+        runs = run_study(args, env)
+        if args.dry_run:
+            return
+    report = analyse(runs, args)
+    with open(os.path.join(study_dir(args), "report.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    for name, entry in report["comparisons"].items():
+        shown = f"{entry['mean']:+.1f} [{entry['interval'][0]:+.1f}, {entry['interval'][1]:+.1f}]" if "mean" in entry \
+            else "-"
+        print(f"{name:<36} {shown:<22} {entry.get('verdict', '')}  per run {entry['per_run']}")
+    print(json.dumps({"verdict": report["verdict"], "complete": report["complete"]}))
+
+
+if __name__ == "__main__":
+    main()
