@@ -30,7 +30,6 @@ At start it prints each default it derived from the other flags (trainer/config.
 runs/NAME/config.json holds every flag as resolved. vLLM logs only its errors unless VLLM_LOGGING_LEVEL is set.
 """
 import dataclasses
-import logging
 import os
 import random
 import signal
@@ -93,7 +92,6 @@ def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
     t0 = time.time()
     llm = start_vllm(cfg, compile=cfg.gen_compile)
     channels.status.put(("ready", time.time() - t0))
-    logging.getLogger("vllm").setLevel(logging.ERROR)  # started: its per-reload notes would flood the log
     tokenizer = llm.get_tokenizer()
     stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)
     reward_weights, problems = check_options(cfg), load_data(cfg)  # this process loads the reward file too
