@@ -261,5 +261,5 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, loss_mask, *, beta=0.04, 
                          is_weight_min=is_weight[on].min().item() if on.any() else 1.0,
                          is_weight_max=is_weight[on].max().item() if on.any() else 1.0,
                          # the share of tokens whose weight the cap holds (the logged name is TIS's)
-                         is_truncated_frac=(((is_weight >= tis_cap).float() * loss_mask).sum() / n).item())
+                         is_capped_frac=(((is_weight >= tis_cap).float() * loss_mask).sum() / n).item())
     return loss, stats

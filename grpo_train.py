@@ -4,8 +4,9 @@ simple_grpo/ for the sampler, the rewards, the ref server's client and the optim
 Several ranks, --micro_batch_groups, --loss_impl triton and the shared-prompt path for the policy's own
 log-probs (simple_grpo/logprobs.py) are grpo_vllm_one.py's: here those log-probs are one plain forward.
 
-    python ref_server.py &          # the frozen reference model, 127.0.0.1:59875
+    python ref_server.py &          # the frozen reference model (the tiny default), 127.0.0.1:59875
     python grpo_train.py            # tiny default model and toy task, on CPU
+    python ref_server.py --model Qwen/Qwen2.5-0.5B &    # the server must hold the trainer's --model (checked)
     deepspeed --num_gpus 1 grpo_train.py --model Qwen/Qwen2.5-0.5B --dataset openai/gsm8k --dataset_config main
     python grpo_train.py --beta 0           # no KL term: no reference server at all
     python grpo_train.py --use_peft         # LoRA adapters; the base, adapters off, is the reference: no server
@@ -132,8 +133,9 @@ def main(cfg: Config):
                         "grad_norm": None}  # no group kept: no update, nothing of it measured (null in the log)
         t1 = t2 = time.time()
         if has_signal.any():
-            # GRPO 3. the reference model's log-probs of the same tokens, for the KL term: the same numbers as
-            # grpo_math.completion_logps under the frozen model, in evaluation mode (tests/test_ref_server.py)
+            # GRPO 3. the reference model's log-probs of the same tokens, for the KL term: what
+            # grpo_math.completion_logps computes under the frozen model in evaluation mode, by the server's own
+            # function and in its --dtype (bf16 on a GPU by default: tests/test_ref_server.py compares them)
             ref_logps = None  # beta 0: no KL term
             if uses_ref_server(cfg):  # one upload per kept group, then one poll per group for its answer
                 meta = {"run_id": run_id, "policy_version": step, "temperature": cfg.temperature}
@@ -157,7 +159,8 @@ def main(cfg: Config):
             for iteration in range(cfg.num_iterations):  # more than 1: PPO's epochs on the same rollouts
                 logps, entropy = completion_logps(engine, prompt_ids, prompt_mask, completion_ids,
                                                   cfg.temperature)  # (q*G, C) each
-                if iteration == 0:  # the policy that sampled is this one: ratio 1 now, the clip bounds the next
+                if iteration == 0:  # this forward's own numbers: ratio 1 now, the clip bounds the next (they
+                    # are the sampler's up to dropout, which generate runs without: --disable_dropout makes them equal)
                     old_logps = logps.detach()  # (q*G, C)
                 loss, update_stats = grpo_loss(logps, old_logps, ref_logps, advantages, loss_mask, **loss_options(cfg))
                 engine.backward(loss)
@@ -176,14 +179,14 @@ def main(cfg: Config):
                      "advantages": advantages}
             log_batch_completions(run_dir, step, tokenizer, batch, [s for s, k in zip(scores, kept_rows.tolist()) if k],
                                   stop_ids, logps.detach())
-        stop = doctor.batch(batch_summary(rewards, scores, texts, has_signal), step) or doctor.step(record)
+        stop_reason = doctor.batch(batch_summary(rewards, scores, texts, has_signal), step) or doctor.step(record)
         bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['accuracy']:.2f}",
                         fmt=f"{record['format_rate']:.2f}", kl="-" if record["kl"] is None else f"{record['kl']:.3f}")
-        if step % cfg.save_every == 0 or step == cfg.steps or stop:
+        if step % cfg.save_every == 0 or step == cfg.steps or stop_reason:
             save_checkpoint(engine, tokenizer, run_dir, step, {"data_rng": rng.getstate()})
-        if stop:
+        if stop_reason:
             finish_run(run_dir, step, 0, tracker)
-            raise SystemExit(stop)
+            raise SystemExit(stop_reason)
 
     finish_run(run_dir, cfg.steps, 0, tracker)
 

@@ -187,9 +187,9 @@ def main(cfg: Config):
                 if waited_s > deadline:
                     raise SystemExit(f"no batch for rank {rank} came from the ref server in {deadline:.0f} s")
                 return
-            stop = progress.update(step)
-            if stop:
-                raise SystemExit(stop)
+            stop_reason = progress.update(step)
+            if stop_reason:
+                raise SystemExit(stop_reason)
             bar.set_description_str(progress.describe(step, waited_s))
             progress.check_deadline(waited_s)
         k = batch_worker(step, rank, served, cfg)
@@ -218,7 +218,7 @@ def main(cfg: Config):
             sync_weights(sender, engine, first_step - 1, cfg.zero_stage, check_alive, cfg.data_timeout)
         bar = tqdm(range(first_step, cfg.steps + 1), desc="grpo (vllm)", initial=first_step - 1, total=cfg.steps,
                    disable=rank != 0)
-        trained, stop = 0, None  # completions in a trained group; the doctor's stop
+        trained, stop_reason = 0, None  # completions in a trained group; why the run stops early (None: it goes on)
         for step in bar:
             # GRPO 3. the next batch of groups the worker made, with the reference's log-probs (from the ref
             # server; with LoRA and no --ref_url, from our own model with its adapters off, just below)
@@ -256,16 +256,17 @@ def main(cfg: Config):
                       "sync_s": time.time() - t0 - wait_s - compute_s, "step_s": time.time() - t0}
 
             # what this step measured: metrics.jsonl, a few completions, the run doctor's verdict
-            stop = progress.update(step) if progress is not None else None  # the batches made meanwhile
+            stop_reason = progress.update(step) if progress is not None else None  # the batches made meanwhile
             if rank == 0:  # rank 0's own batch and loss, a few of its completions, what the doctor makes of them
                 log_step(metrics_path, record, tracker)
                 if cfg.log_completions_every and step % cfg.log_completions_every == 0:
                     log_batch_completions(run_dir, step, tokenizer, batch, [s for m in metas for s in m["scores"]],
                                           stop_ids, logps)
-                stop = doctor.step(record) or stop
+                stop_reason = doctor.step(record) or stop_reason
             bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['accuracy']:.2f}",
                             kl=f"{record['kl']:.3f}", lag=record["policy_lag"], wait=f"{wait_s:.2f}")
-            last = bool(max_over_ranks(step == cfg.steps or 0 < cfg.max_completions <= sum(generated) or bool(stop)))
+            last = bool(max_over_ranks(step == cfg.steps or 0 < cfg.max_completions <= sum(generated)
+                                       or bool(stop_reason)))
             if step % cfg.save_every == 0 or last:  # the data position after every rank's batch
                 save_checkpoint(engine, tokenizer, run_dir, step, {"draws": [int(max_over_ranks(d)) for d in draws]})
             if last:
@@ -273,8 +274,8 @@ def main(cfg: Config):
     finally:
         stop_workers(workers)
     finish_run(run_dir, step, rank, tracker)
-    if stop:
-        raise SystemExit(stop)
+    if stop_reason:
+        raise SystemExit(stop_reason)
 
 
 if __name__ == "__main__":

@@ -95,7 +95,7 @@ def main():
         g, stats = gradient(model, batch, mask, cfg.temperature, from_sampler, cap)
         results[name] = {"clip_fraction": stats["clip_fraction"],
                          "cosine_to_exact": torch.nn.functional.cosine_similarity(g.double(), exact.double(), dim=0).item(),
-                         **{k: stats[k] for k in ("is_weight_mean", "is_truncated_frac") if k in stats}}
+                         **{k: stats[k] for k in ("is_weight_mean", "is_capped_frac") if k in stats}}
 
     print(f"\n{results['model']}, {args.dtype}: {results['tokens']} completion tokens, vLLM vs trainer |logp gap| "
           f"mean {results['gap_mean']:.2e}, p99 {results['gap_p99']:.2e}, max {results['gap_max']:.2e}")
@@ -103,7 +103,7 @@ def main():
     for name in ("no_tis", "tis"):
         r = results[name]
         print(f"{name:10}{r['clip_fraction']:>10.4f}{r['cosine_to_exact']:>12.4f}"
-              f"{r.get('is_weight_mean', float('nan')):>11.4f}{r.get('is_truncated_frac', float('nan')):>11.4f}")
+              f"{r.get('is_weight_mean', float('nan')):>11.4f}{r.get('is_capped_frac', float('nan')):>11.4f}")
     print(json.dumps(results))
 
 

@@ -20,7 +20,8 @@ PATH = [
     ("simple_grpo/trainer/config.py", ["check_options", "default_lr"],
      "the defaults the step depends on: lr, epsilon_high, scale_rewards, ref_url"),
     ("grpo_math.py", ["grpo_objective", "completion_mask", "is_truncated", "group_advantages", "groups_with_signal",
-                      "completion_logps", "grpo_loss"], "the loss in a dozen lines, then each term as the step calls it"),
+                      "completion_logps", "grpo_loss"],
+     "the loss in a dozen lines, then each term as the step calls it"),
     ("simple_grpo/task/problems.py", ["make_prompt", "stop_token_ids"], "the prompt and the stop tokens"),
     ("simple_grpo/generation/hf_sampler.py", ["generate"], "stage 1: sampling from softmax(logits / T)"),
     ("simple_grpo/rollouts.py", ["score_groups", "correct_rows", "rollout_stats"], "stage 2: rewards per group"),
@@ -30,14 +31,15 @@ PATH = [
      "stage 3, the trainer's side: the upload and the answer"),
     ("ref_server.py", ["ref_worker"], "stage 3, the server's side: the order groups are served in"),
     ("simple_grpo/reference/model.py", ["add_ref_logps"], "what the server computes"),
-    ("simple_grpo/logprobs.py", ["sequence_logps"], "the server's log-probs (the same numbers as completion_logps)"),
+    ("simple_grpo/logprobs.py", ["sequence_logps"],
+     "the server's log-probs: completion_logps's numbers, in the server's dtype"),
     ("simple_grpo/trainer/update.py", ["loss_options", "optimizer_step", "step_stats"], "stage 4: the optimizer step"),
     ("simple_grpo/trainer/deepspeed_config.py", ["flag_config"], "what engine.step() does: AdamW, the clip"),
 ]
 # functions the step's functions call only under an option the default step does not take: {file: {name: why}}
 NOT_RUN = {"simple_grpo/trainer/config.py": {"check_lora": "--use_peft"},
-           "grpo_math.py": {"capped_is_weight": "vLLM's log-probs: grpo_vllm_one.py"},
-           "simple_grpo/logprobs.py": {"token_entropy": "entropy=True: the trainer's, not the server's"}}
+           "grpo_math.py": {"capped_is_weight": "vLLM's log-probs, in grpo_vllm_one.py"},
+           "simple_grpo/logprobs.py": {"token_entropy": "entropy=True, which the server does not ask"}}
 
 
 def definitions(tree):
@@ -91,7 +93,7 @@ def table():
     lines = ["| # | file | what is read (lines) | lines read / file | why |", "|---|---|---|---|---|"]
     for i, (path, functions, total, read, why) in enumerate(rows, 1):
         what = "all" if functions is None else ", ".join(f"`{name}` ({n})" for name, n in functions)
-        what += "".join(f"; not `{name}` ({why} only)" for name, why in NOT_RUN.get(path, {}).items())
+        what += "".join(f"; not `{name}` (only with {why})" for name, why in NOT_RUN.get(path, {}).items())
         lines.append(f"| {i} | `{path}` | {what} | {read} / {total} | {why} |")
     files, read = len(rows), sum(row[3] for row in rows)
     lines.append(f"\n{files} files, {read} lines (counted by `python tools/reading_path.py`).")

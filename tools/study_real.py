@@ -93,7 +93,8 @@ def run_study(args, env):
         _, start = start_of(start_seed, env, args.dry_run)
         where = os.path.join(out, f"start{start_seed}")
         os.makedirs(where, exist_ok=True)
-        done[f"start{start_seed}"] = {"passk": evaluate_once("passk", start, where, env, passk_args(args), args.dry_run)}
+        start_passk = evaluate_once("passk", start, where, env, passk_args(args), args.dry_run)
+        done[f"start{start_seed}"] = {"passk": start_passk}
         for seed in args.seeds:
             for arm in ARMS:
                 name, cmd = train_command(args, start, answers_only, start_seed, seed, arm)
