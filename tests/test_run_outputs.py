@@ -26,22 +26,20 @@ def run(trainer, name, *flags, timeout=900):
 
 @pytest.fixture(scope="module")
 def no_signal_run(tmp_path_factory):
-    """Two steps of grpo_train.py, in this process, with a reward no completion earns (no group has signal,
-    no update is taken) and --lr, --epsilon_high, --scale_rewards left unset. Returns its run directory."""
-    import simple_grpo.task.rewards as rewards
-    from grpo_train import Config, main
-    where, cwd, saved = tmp_path_factory.mktemp("no_signal"), os.getcwd(), dict(rewards.REWARD_FUNCS)
-    os.chdir(where)  # runs/ goes here
-    try:
-        main(Config(model=os.path.join(ROOT, "models", "tiny-math"),
-                    dataset=os.path.join(ROOT, "data", "toy_math", "train.jsonl"),
-                    reward_file=os.path.join(ROOT, "tests", "never_rewards.py"), reward_funcs="never",
-                    reward_weights="1", beta=0.0, steps=2, batch_prompts=2, num_generations=4, max_new_tokens=16,
-                    run_name="no_signal"))
-    finally:
-        os.chdir(cwd)
-        rewards.REWARD_FUNCS.clear()
-        rewards.REWARD_FUNCS.update(saved)
+    """Two steps of grpo_train.py with a reward no completion earns (no group has signal, no update is taken)
+    and --lr, --epsilon_high, --scale_rewards left unset; its runs/ in a directory of its own. A process of its
+    own: an in-process DeepSpeed run keeps a process group that a later test's in-process vLLM tears down,
+    and the in-process runs after that (tests/test_trainer_options.py) would find it gone. Returns its run
+    directory."""
+    where = tmp_path_factory.mktemp("no_signal")
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "grpo_train.py"),
+                           "--model", os.path.join(ROOT, "models", "tiny-math"),
+                           "--dataset", os.path.join(ROOT, "data", "toy_math", "train.jsonl"),
+                           "--reward_file", os.path.join(ROOT, "tests", "never_rewards.py"), "--reward_funcs", "never",
+                           "--reward_weights", "1", "--beta", "0", "--steps", "2", "--batch_prompts", "2",
+                           "--num_generations", "4", "--max_new_tokens", "16", "--run_name", "no_signal"],
+                          cwd=where, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:]
     return where / "runs" / "no_signal"
 
 

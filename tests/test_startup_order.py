@@ -14,7 +14,8 @@ FLAGS = ["--beta", "0", "--batch_prompts", "2", "--num_generations", "4", "--max
 
 def run_trainer(*args):
     out = subprocess.run([sys.executable, "grpo_vllm_one.py", *FLAGS, *args], cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, timeout=600, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                         stderr=subprocess.STDOUT, text=True, timeout=600,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1", VLLM_LOGGING_LEVEL="INFO"))  # vLLM's own log lines
     return out.returncode, out.stdout.splitlines()
 
 
