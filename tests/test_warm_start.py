@@ -131,6 +131,20 @@ def test_a_linear_schedule_ends_at_zero_and_train_n_takes_the_first_problems(tmp
 
 # ---------------------------------------------------------------- the cache key: flags, code and data
 def print_key(*args):
+    """What `tools/warm_start.py --model models/tiny-math ARGS --print_key` prints (the CLI itself: cli_key),
+    computed in this process, from the repository as the CLI runs there."""
+    from simple_grpo.flags import parse_flags
+    from tools.warm_start import WarmStartConfig, start_key, start_recipe, start_sources
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        cfg = parse_flags(WarmStartConfig, args=["--model", "models/tiny-math", *map(str, args)])
+        return start_key(start_recipe(cfg), start_sources(cfg))
+    finally:
+        os.chdir(cwd)
+
+
+def cli_key(*args):
     out = subprocess.run([sys.executable, "tools/warm_start.py", "--model", "models/tiny-math", *map(str, args),
                           "--print_key"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -150,7 +164,7 @@ def few_problems(path, first_answer=None):
 def test_the_cache_key_changes_with_the_training_data(tmp_path):
     data = few_problems(tmp_path / "train.jsonl")
     key = print_key("--train", data)
-    assert len(key) == 12 and print_key("--train", data) == key  # the same flags, code and data: the same key
+    assert len(key) == 12 and cli_key("--train", data) == key  # the same flags, code and data: the same key
     few_problems(data, first_answer="She has: 3+4=<<3+4=7>>7\n#### 7")  # the same path, other contents
     assert print_key("--train", data) != key
 
