@@ -52,6 +52,7 @@ def test_the_sampler_draws_from_the_temperature_softmax_whatever_the_models_gene
 
 def test_without_a_ref_server_the_trainer_says_so():
     out = subprocess.run([sys.executable, "grpo_train.py", "--ref_url", "http://127.0.0.1:9", "--steps", "1",
+                          "--peer_timeout", "3",  # the default 30 s of retries would only make the test wait
                           "--run_name", "test_no_server"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode != 0 and "ref server at http://127.0.0.1:9" in out.stderr
 
