@@ -122,8 +122,9 @@ def main(cfg: Config):
         advantages = group_advantages(rewards, G, cfg.scale_rewards, estimator=cfg.advantage_estimator,
                                       correct=correct_rows(scores, reward_weights)).float()  # raft: the correct ones
         has_signal = groups_with_signal(advantages, G)  # (Q,): GRPO: the rewards differ
-        rollout = rollout_stats(rewards, scores, until_stop, has_signal, gen_s, is_truncated(completion_ids, stop_ids),
-                                pick_accuracy_reward(reward_weights))  # accuracy: the correctness reward trained on
+        truncated = is_truncated(completion_ids, stop_ids)  # (Q*G,): cut off at --max_new_tokens
+        rollout_figures = rollout_stats(rewards, scores, until_stop, has_signal, gen_s, truncated,
+                                        pick_accuracy_reward(reward_weights))  # accuracy: the correctness reward
         kept_groups = has_signal.to(until_stop.device)  # (Q,)
         kept_rows = has_signal.repeat_interleave(G).to(until_stop.device)  # (Q*G,): the G rows of each kept group
         prompt_ids, prompt_mask = prompt_ids[kept_groups], prompt_mask[kept_groups]  # (q, P) each: q groups kept
@@ -171,7 +172,7 @@ def main(cfg: Config):
                                 tokens=int(loss_mask.sum()), **step_stats(engine, norm, skipped, cfg.num_iterations))
 
         # log what we measured, a few completions, and what the run doctor makes of it
-        record = {"step": step, **rollout, **update_stats, "ref_s": t2 - t1, "compute_s": time.time() - t2,
+        record = {"step": step, **rollout_figures, **update_stats, "ref_s": t2 - t1, "compute_s": time.time() - t2,
                   "step_s": time.time() - t0}
         log_step(metrics_path, record, tracker)
         if has_signal.any() and cfg.log_completions_every and step % cfg.log_completions_every == 0:

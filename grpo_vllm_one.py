@@ -126,9 +126,9 @@ def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
                                          correct=correct_rows(scores, reward_weights))  # raft: the correct ones
         generated += completion_ids.size(0)
         truncated = is_truncated(completion_ids, stop_ids)  # (Q*G,): cut off at --max_new_tokens
-        rollout = {**rollout_stats(rewards, scores, until_stop, has_signal, gen_s, truncated,
-                                   pick_accuracy_reward(reward_weights)),
-                   "weights_load_s": schedule.load_s, "generated": generated}
+        rollout_figures = {**rollout_stats(rewards, scores, until_stop, has_signal, gen_s, truncated,
+                                           pick_accuracy_reward(reward_weights)),
+                           "weights_load_s": schedule.load_s, "generated": generated}  # for the trainer's log
         channels.status.put(("batch", {**batch_summary(rewards, scores, texts, has_signal), "posted": len(groups)}))
         if cfg.regroup:  # a second round for the fresh questions whose answers all scored alike but
             # differ: the model is unsure of those, and another round may bring another reward
@@ -138,7 +138,7 @@ def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
         # post: to the trainer through the ref server (it adds ref_logps), or straight (beta 0)
         for _, m in groups:  # the trainer takes groups_in_batch groups as one batch
             m.update(batch_index=schedule.batch_index, draws=schedule.draws, groups_in_batch=len(groups),
-                     rollout=rollout)
+                     rollout_figures=rollout_figures)
         if groups and uses_ref_server(cfg):
             post_groups(cfg, groups)
         for group in groups if not uses_ref_server(cfg) else []:
@@ -232,7 +232,7 @@ def main(cfg: Config):
             meta, oldest = metas[-1], min(m["policy_version"] for m in metas)
             trained += sum(g["completion_ids"].size(0) for g in groups)
             for m in metas:
-                generated[m["worker"]] = max(generated[m["worker"]], m["rollout"]["generated"])
+                generated[m["worker"]] = max(generated[m["worker"]], m["rollout_figures"]["generated"])
                 draws[m["worker"]] = max(draws[m["worker"]], m["draws"])
 
             batch = collate(groups, tokenizer.pad_token_id)
@@ -250,7 +250,7 @@ def main(cfg: Config):
             # step + L + 2 - k to step + L + 1 (L: --max_policy_lag, k: --sync_every; the defaults: step + 2)
             if step % cfg.sync_every == 0 and step < cfg.steps:
                 sync_weights(sender, engine, step, cfg.zero_stage, check_alive, cfg.data_timeout)
-            record = {"step": step, **meta["rollout"], **update_stats, "policy_lag": step - 1 - oldest,
+            record = {"step": step, **meta["rollout_figures"], **update_stats, "policy_lag": step - 1 - oldest,
                       "batch": meta["batch_index"], "worker": meta["worker"], "generated": sum(generated),
                       "trained": trained, "wait_s": wait_s, "compute_s": compute_s, "ref_s": ref_s,
                       "sync_s": time.time() - t0 - wait_s - compute_s, "step_s": time.time() - t0}
