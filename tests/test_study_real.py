@@ -88,3 +88,12 @@ def test_the_analysis_gives_grpo_minus_raft_per_run_and_the_verdict(tmp_path, mo
     assert primary["per_run"] == [2.0, 3.0, 4.0, 2.0, 3.0, 4.0] and primary["mean"] == 3.0
     assert report["verdict"] == primary["verdict"] == "grpo ahead"  # 90% interval [2.3, 3.7]: above 0, past +3
     assert report["complete"] and os.path.isfile(os.path.join(args.name, "pass_at_k.png"))
+
+
+@pytest.mark.parametrize("flags, refusal", [(["--steps", "3"], "give an even number"),
+                                            (["--analyse_only", "--name", "test_study_none"], "no run of the study"),
+                                            (["--dry_run", "--analyse_only"], "pick one")])
+def test_flags_it_cannot_act_on_are_refused_by_name(flags, refusal):
+    done = subprocess.run([sys.executable, "tools/study_real.py", *flags], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode != 0 and refusal in done.stderr
