@@ -64,7 +64,7 @@ from bench.harness import (BETA, GROUP, LR, PROMPTS, REWARD_WEIGHTS, TEMPERATURE
                            build_deepspeed_ops, run, wait_peak_rss)
 from simple_grpo.lora import is_adapter_dir  # noqa: E402
 from simple_grpo.run import smollm2_recipe  # noqa: E402
-from simple_grpo.run.launch import MODEL, evaluate, smollm2_warm_start  # noqa: E402
+from simple_grpo.run.launch import MODEL, child_env, evaluate, smollm2_warm_start  # noqa: E402
 from simple_grpo.task.problems import SYSTEM_PROMPT  # noqa: E402
 
 SYSTEMS = ("trl", "grpo_train", "grpo_vllm_one")
@@ -261,7 +261,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env = child_env()
     if args.trl_child:
         w = world_settings(args.world, env, args.start)
         trl_train(args.trl_child, args.steps, args.out_dir, args.trl_gradient_checkpointing == "on", args.seed, w)

@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from bench.harness import build_deepspeed_ops, wait_peak_rss  # noqa: E402
-from simple_grpo.run.launch import MODEL, ROOT, TINY_WORLD_FLAGS, free_port, start_ref_server  # noqa: E402
+from simple_grpo.run.launch import MODEL, ROOT, TINY_WORLD_FLAGS, child_env, free_port, start_ref_server  # noqa: E402
 from simple_grpo.run.metrics import read_metrics  # noqa: E402
 
 
@@ -65,7 +65,7 @@ def main():
     args = ap.parse_args()
     if args.steps <= args.skip:
         raise SystemExit(f"--steps {args.steps} leaves nothing to time after --skip {args.skip}")
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env = child_env()
     build_deepspeed_ops(env)
     for lora in (False, True):
         print(json.dumps(run(args.model, lora, args, env)), flush=True)

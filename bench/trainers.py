@@ -22,6 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from bench.harness import build_deepspeed_ops, run  # noqa: E402
+from simple_grpo.run.launch import child_env  # noqa: E402
 
 
 def main():
@@ -32,7 +33,7 @@ def main():
     ap.add_argument("--gen_workers", default="1", help="grpo_vllm_one's generation worker counts, e.g. 1,2")
     ap.add_argument("extra", nargs="*", help="flags for both trainers, after --")
     args = ap.parse_args()
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env = child_env()
     trainers = args.trainers.split(",")
     for trainer in trainers:
         if trainer not in ("grpo_train", "grpo_vllm_one"):

@@ -20,7 +20,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from simple_grpo.evaluation import print_before_after  # noqa: E402
-from simple_grpo.run.launch import MODEL, ROOT, TINY_WORLD_FLAGS, evaluate, free_port, start_ref_server, stop  # noqa: E402
+from simple_grpo.run.launch import (MODEL, ROOT, TINY_WORLD_FLAGS, child_env, evaluate, free_port,  # noqa: E402
+                                    start_ref_server, stop)
 
 # LoRA on the tiny model: adapters on every linear layer; lr 3e-4 (1e-3 learned less, and lost on seed 1:
 # docs/benchmarks.md, LoRA)
@@ -41,7 +42,7 @@ def main():
     run_name = args.run_name or (f"demo_{'lora_' if args.lora else ''}{'' if args.trainer == 'grpo_train' else 'vllm_'}"
                                  f"seed{args.seed}")
     # two busy processes on two cores: OpenMP threads must sleep, not spin, while they wait
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env = child_env()
     t0 = time.time()
     before = evaluate(MODEL, env)
     port = free_port()

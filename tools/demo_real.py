@@ -47,8 +47,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from simple_grpo.evaluation import paired_gain, print_before_after, read_details  # noqa: E402
-from simple_grpo.run.launch import (ROOT, TEST, cached_evaluate, evaluate, git_commit, run_child,  # noqa: E402
-                                    smollm2_warm_start, trained_checkpoint)
+from simple_grpo.run.launch import (ROOT, TEST, cached_evaluate, child_env, evaluate, git_commit,  # noqa: E402
+                                    run_child, smollm2_warm_start, trained_checkpoint)
 from simple_grpo.run.smollm2_recipe import (CONTROL_FLAGS, CONTROL_STEPS_PER_GRPO_STEP, EVAL_FLAGS,  # noqa: E402
                                             FEW_SOLUTIONS, FEW_START_FLAGS, SAMPLING_FLAGS, STEPS, SYSTEM_PROMPT, TRAIN,
                                             TRAIN_FLAGS, WARM_START_FLAGS, write_answers_only)
@@ -162,8 +162,7 @@ def main():
         return answers_demo(args)
     run_name = args.run_name or f"demo_real{start_tag(args)}_seed{args.seed}"
     run_dir = os.path.join(ROOT, "runs", run_name)
-    # two busy processes on two cores: OpenMP threads must sleep, not spin, while they wait
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env = child_env()  # two busy processes on two cores: OpenMP threads sleep, not spin, while they wait
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill` runs the clean-up too
     t0 = time.time()
     prompt = ["--system_prompt", SYSTEM_PROMPT]
@@ -233,7 +232,7 @@ def answers_demo(args):
     check_few_solutions_start(warm_flags)
     run_name = args.run_name or f"demo_answers{start_tag(args)}_seed{args.seed}"
     run_dir = os.path.join(ROOT, "runs", run_name)
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env = child_env()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0, prompt = time.time(), ["--system_prompt", SYSTEM_PROMPT]
     os.makedirs(run_dir, exist_ok=True)

@@ -26,9 +26,9 @@ import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-from simple_grpo.evaluation import (equivalence_verdict, interval_across, pass_at_k_curve, problem_score,  # noqa: E402
-                                    read_details)
-from simple_grpo.run.launch import ROOT, cached_evaluate, run_child, smollm2_warm_start  # noqa: E402
+from simple_grpo.evaluation import (details_accuracy, equivalence_verdict, interval_across,  # noqa: E402
+                                    pass_at_k_curve, read_details)
+from simple_grpo.run.launch import ROOT, cached_evaluate, child_env, run_child, smollm2_warm_start  # noqa: E402
 from simple_grpo.run.smollm2_recipe import (EVAL_FLAGS, FEW_START_FLAGS, SYSTEM_PROMPT, TRAIN_FLAGS,  # noqa: E402
                                             write_answers_only)
 from simple_grpo.task.config import TaskConfig  # noqa: E402
@@ -117,8 +117,7 @@ def run_study(args, env):
 
 
 def accuracy(path):
-    rows = read_details(path)
-    return sum(problem_score(r) for r in rows) / len(rows)
+    return details_accuracy(read_details(path))
 
 
 def difference(runs, a, b, key="greedy"):
@@ -189,7 +188,7 @@ def main():
         raise SystemExit(f"--steps {args.steps}: the study evaluates step --steps/2 too; give an even number >= 2")
     if args.dry_run and args.analyse_only:
         raise SystemExit("--dry_run and --analyse_only: pick one")
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env = child_env()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.analyse_only:
         path = os.path.join(study_dir(args), "runs.json")

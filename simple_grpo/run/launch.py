@@ -24,6 +24,13 @@ MODEL, TEST = "models/tiny-math", "data/toy_math/test.jsonl"
 TINY_WORLD_FLAGS = ["--lr", "1e-4"]
 
 
+def child_env():
+    """The environment the demos, the study and the benches give the processes they start: busy processes
+    share the cores, so OpenMP threads sleep rather than spin while they wait; the tokenizers stay
+    single-threaded; output is unbuffered, so the lines of several processes come in order."""
+    return dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+
+
 def stop(proc, grace=30):
     """Ends a child process that is still running: SIGTERM, then SIGKILL after `grace` seconds."""
     if proc is not None and proc.poll() is None:
