@@ -123,8 +123,9 @@ def main(cfg: Config):
                                       correct=correct_rows(scores, reward_weights)).float()  # raft: the correct ones
         has_signal = groups_with_signal(advantages, G)  # (Q,): GRPO: the rewards differ
         truncated = is_truncated(completion_ids, stop_ids)  # (Q*G,): cut off at --max_new_tokens
+        # the batch's log figures; their accuracy is the correctness reward trained on
         rollout_figures = rollout_stats(rewards, scores, until_stop, has_signal, gen_s, truncated,
-                                        pick_accuracy_reward(reward_weights))  # accuracy: the trained correctness reward
+                                        pick_accuracy_reward(reward_weights))
         kept_groups = has_signal.to(until_stop.device)  # (Q,)
         kept_rows = has_signal.repeat_interleave(G).to(until_stop.device)  # (Q*G,): the G rows of each kept group
         prompt_ids, prompt_mask = prompt_ids[kept_groups], prompt_mask[kept_groups]  # (q, P) each: q groups kept

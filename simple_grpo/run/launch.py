@@ -147,7 +147,8 @@ def cached_evaluate(name, model, start, env, eval_args, details):
 
 
 def run_child(cmd, env, what):
-    """A step of a demo or study (a script of this repository and its flags) as a child process, stopped with us; its failure stops the demo naming it."""
+    """A step of a demo or study (a script of this repository and its flags) as a child process, stopped with
+    us; its failure stops the demo or study, naming `what`."""
     proc = subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env=env)
     try:
         if proc.wait() != 0:
