@@ -56,7 +56,7 @@ from simple_grpo.run.preflight import preflight
 from simple_grpo.run.report import finish_run
 from simple_grpo.task.config import load_data
 from simple_grpo.task.problems import make_prompt, stop_token_ids
-from simple_grpo.task.rewards import pick_accuracy_reward
+from simple_grpo.task.rewards import parse_reward_spec, pick_accuracy_reward
 from simple_grpo.trainer.config import TrainerConfig, check_options
 from simple_grpo.trainer.deepspeed_engine import leave_process_group, make_engine
 from simple_grpo.trainer.memory_plan import show_plan
@@ -83,7 +83,9 @@ def check_one_process(cfg):
 
 def main(cfg: Config):
     check_one_process(cfg)
-    reward_weights, problems = check_options(cfg), load_data(cfg)
+    check_options(cfg)  # refuses bad values; fills in (and prints) the defaults that depend on other flags
+    reward_weights = parse_reward_spec(cfg.reward_funcs, cfg.reward_weights)  # {"correctness": 1.0, "format": 0.5}
+    problems = load_data(cfg)
     show_plan(cfg)  # --plan prints it and stops here, before the run directory is looked at
     check_run_dir(cfg)  # a used runs/RUN_NAME/ needs --resume or --overwrite
     if uses_ref_server(cfg):

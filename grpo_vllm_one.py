@@ -62,7 +62,7 @@ from simple_grpo.run.preflight import preflight
 from simple_grpo.run.report import finish_run
 from simple_grpo.task.config import load_data
 from simple_grpo.task.problems import make_prompt, stop_token_ids
-from simple_grpo.task.rewards import extract_answer, pick_accuracy_reward
+from simple_grpo.task.rewards import extract_answer, parse_reward_spec, pick_accuracy_reward
 from simple_grpo.trainer.config import TrainerConfig, check_options
 from simple_grpo.trainer.deepspeed_engine import leave_process_group, make_engine
 from simple_grpo.trainer.memory_plan import show_plan
@@ -94,7 +94,8 @@ def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
     channels.status.put(("ready", time.time() - t0))
     tokenizer = llm.get_tokenizer()
     stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)
-    reward_weights, problems = check_options(cfg), load_data(cfg)  # this process loads the reward file too
+    check_options(cfg)  # this process loads the reward file too
+    reward_weights, problems = parse_reward_spec(cfg.reward_funcs, cfg.reward_weights), load_data(cfg)
     rng, G = random.Random(cfg.seed + ranks[0] + 1000 * worker), cfg.num_generations  # each worker its own draws
     generated, ask_again = 0, []  # completions made so far; regroup: questions to ask once more
     world = int(os.environ.get("WORLD_SIZE", "1"))

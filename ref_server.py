@@ -25,19 +25,22 @@ import time
 import bottle
 
 from simple_grpo.flags import parse_flags
+from simple_grpo.logprobs import reference_group_logps
 from simple_grpo.protocol import encode
 from simple_grpo.reference.config import ServerConfig
 from simple_grpo.reference.http_server import add_token_check_and_health, answer, read_rollout, serve, wait_seconds
-from simple_grpo.reference.model import add_ref_logps, load_model
+from simple_grpo.reference.model import load_model
 
 
-def ref_worker(model, todo, done, device, stats, lock):
-    """Take uploaded groups in order, add ref_logps (G, C), queue them for trainers."""
+def ref_worker(model, todo, done, stats, lock):
+    """Take uploaded groups in order, add the reference model's per-token log-probs of the completions
+    (ref_logps, (G, C), at the sampling temperature the group names), queue them for trainers."""
     while True:
         size, tensors, meta = todo.get()
         try:
             t0 = time.time()
-            add_ref_logps(model, tensors, meta, device)
+            tensors["ref_logps"] = reference_group_logps(model, tensors["prompt_ids"], tensors["completion_ids"],
+                                                         meta.get("temperature", 1.0))
             stats["ref_s"] += time.time() - t0  # the reference forward's seconds, for bench/gpu_scale.py
             dropped = done.put(meta.get("run_id"), (size, encode(tensors, meta)))  # waits while trainers are behind
             with lock:
@@ -92,7 +95,7 @@ def make_app(model, cfg: ServerConfig):
     stats = {"groups_in": 0, "groups_out": 0, "groups_taken": 0, "rejected": 0, "rejected_full": 0,
              "errors": 0, "queued_bytes": 0, "ref_s": 0.0}
     lock, started = threading.Lock(), time.time()
-    threading.Thread(target=ref_worker, args=(model, todo, done, cfg.device, stats, lock),
+    threading.Thread(target=ref_worker, args=(model, todo, done, stats, lock),
                      daemon=True).start()
     add_token_check_and_health(app, cfg, stats)
 

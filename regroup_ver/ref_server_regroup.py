@@ -30,11 +30,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the main code, one level up
 from grpo_math import completion_mask, group_advantages  # noqa: E402
 from simple_grpo.flags import flag, parse_flags  # noqa: E402
+from simple_grpo.logprobs import reference_group_logps  # noqa: E402
 from simple_grpo.protocol import encode  # noqa: E402
 from simple_grpo.reference.config import ServerConfig  # noqa: E402
 from simple_grpo.reference.http_server import (add_token_check_and_health, answer, read_rollout, serve,  # noqa: E402
                                                wait_seconds)
-from simple_grpo.reference.model import add_ref_logps, load_model  # noqa: E402
+from simple_grpo.reference.model import load_model  # noqa: E402
 
 
 @dataclass
@@ -140,7 +141,8 @@ def make_app(model, tokenizer, cfg: RegroupConfig):
         while True:
             tensors, meta = todo.get()
             try:
-                add_ref_logps(model, tensors, meta, cfg.device)
+                tensors["ref_logps"] = reference_group_logps(model, tensors["prompt_ids"], tensors["completion_ids"],
+                                                             meta.get("temperature", 1.0))
                 done.put((meta["policy_version"], encode(tensors, meta)))
             except Exception as e:  # noqa: BLE001 - report, keep serving
                 stats["errors"] += 1

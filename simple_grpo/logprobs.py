@@ -1,5 +1,5 @@
 """The trainers' fast log-probs: per-token log-probs of completions, and their entropy, for
-grpo_vllm_one.py's update, the reference server and the tools.
+grpo_vllm_one.py's update, the reference server (reference_group_logps) and the tools.
 
 grpo_math.completion_logps is the plain version a student reads (one forward, log_softmax, gather);
 sequence_logps computes the same numbers faster and in less memory: a group's prompt runs once and
@@ -103,6 +103,17 @@ def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, temperature=1
         logits.append(model(input_ids=completion_ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions,
                             past_key_values=out.past_key_values, use_cache=True).logits)
     return log_probs_of(torch.cat(logits, dim=1), completion_ids, temperature, impl, entropy)
+
+
+@torch.inference_mode()
+def reference_group_logps(model, prompt_ids, completion_ids, temperature=1.0):
+    """The reference server's computation for one uploaded group: the frozen model's per-token log-probs
+    of the G completions, (G, C) float32 on the CPU. prompt_ids (P,) is the prompt without padding,
+    completion_ids (G, C) the group's completions; both go to the model's device."""
+    device = next(model.parameters()).device
+    prompt = prompt_ids.to(device).unsqueeze(0)  # one prompt, G completions
+    logps = sequence_logps(model, prompt, torch.ones_like(prompt), completion_ids.to(device), temperature)
+    return logps.float().cpu()
 
 
 def log_probs_of(logits, token_ids, temperature, impl="torch", entropy=False):

@@ -23,13 +23,15 @@ from simple_grpo.protocol import post_groups, take_group
 from simple_grpo.rollouts import collate, make_groups, score_groups
 from simple_grpo.task.config import load_data
 from simple_grpo.task.problems import make_prompt, stop_token_ids
+from simple_grpo.task.rewards import parse_reward_spec
 from simple_grpo.trainer.config import check_options
 from simple_grpo.trainer.deepspeed_engine import make_engine
 from simple_grpo.trainer.update import grpo_update, reference_logps
 
 cfg = Config(use_peft=True, lora_dropout=0.0, lora_target_modules="all-linear", lr=2e-3, beta=0.04,
              batch_prompts=4, ref_url=sys.argv[1], threads=2)
-weights, problems = check_options(cfg), load_data(cfg)
+check_options(cfg)
+weights, problems = parse_reward_spec(cfg.reward_funcs, cfg.reward_weights), load_data(cfg)
 engine, tok = make_engine(cfg)
 stop_ids = stop_token_ids(tok, cfg.prompt_format)
 base = {k: v.clone() for k, v in engine.module.state_dict().items() if ".lora_" not in k}

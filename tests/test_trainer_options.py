@@ -2,6 +2,7 @@
 each kind, a user's reward file, beta 0 without a reference server, num_iterations, the GSM8K recipe."""
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -179,6 +180,31 @@ def test_num_iterations_reuses_the_rollouts_and_the_second_ratio_is_the_first_st
     hand = ((torch.exp(after_one_step - before) * mask).sum() / mask.sum()).item()
     assert stats2["ratio_mean"] == pytest.approx(hand, abs=1e-5) and abs(hand - 1) > 1e-4
     assert two.global_steps == 2 and one.global_steps == 1
+
+
+@pytest.mark.parametrize("tis_cap", [0.0, 2.0])
+def test_vllms_log_probs_are_pi_old_with_tis_cap_0_and_weight_the_tokens_otherwise(tis_cap):
+    """grpo_update with the sampler's log-probs in the batch: --tis_cap 0 puts them in the ratio's denominator
+    (ratio exp(logp - sampler's) from the first iteration); a cap keeps the trainer's own there (ratio 1) and
+    weights each token by exp(trainer's - sampler's), capped."""
+    from grpo_vllm_one import Config as VllmConfig
+    cfg = VllmConfig(model=TINY, beta=0.0, lr=1e-3, seed=0, tis_cap=tis_cap)
+    check_options(cfg)
+    engine, tokenizer = make_engine(cfg)
+    enc = tokenizer([chat_prompt(tokenizer, PROBLEMS[0]["question"])], return_tensors="pt", add_special_tokens=False)
+    torch.manual_seed(0)
+    completions = torch.randint(10, 400, (4, 6))
+    with torch.no_grad():
+        own = sequence_logps(engine.module, enc["input_ids"], enc["attention_mask"], completions, cfg.temperature)
+    batch = {"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"], "completion_ids": completions,
+             "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]), "sampler_logps": own - 0.05}
+    stats, _ = grpo_update(engine, batch, cfg, tokenizer.eos_token_id)
+    if tis_cap == 0:
+        assert stats["ratio_mean"] == pytest.approx(math.exp(0.05), abs=1e-4)
+        assert "is_weight_mean" not in stats
+    else:
+        assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+        assert stats["is_weight_mean"] == pytest.approx(math.exp(0.05), abs=1e-4)
 
 
 @pytest.mark.parametrize("zero_stage, loss_type", [(0, "grpo"), (2, "bnpo"), (0, "dr_grpo")])

@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # noqa: E402 below - these imports come after the path fix that lets the script import them
 from simple_grpo.task.problems import make_prompt, stop_token_ids  # noqa: E402
+from simple_grpo.task.rewards import parse_reward_spec  # noqa: E402
 from simple_grpo.flags import flag, parse_flags  # noqa: E402
 from grpo_math import completion_mask, group_advantages, grpo_loss, kl_estimate  # noqa: E402
 from simple_grpo.logprobs import sequence_logps  # noqa: E402
@@ -44,7 +45,8 @@ def show_tokens(tokenizer, ids, columns):
 
 def main(cfg):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    reward_weights = check_task(cfg)
+    check_task(cfg)
+    reward_weights = parse_reward_spec(cfg.reward_funcs, cfg.reward_weights)
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     policy = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)

@@ -35,7 +35,7 @@ from simple_grpo.logprobs import sequence_logps  # noqa: E402
 from simple_grpo.rollouts import collate, make_groups, rollout_stats, score_groups  # noqa: E402
 from simple_grpo.generation.vllm_sampler import sample, start_vllm  # noqa: E402
 from simple_grpo.task.config import TaskConfig, check_task, load_data  # noqa: E402
-from simple_grpo.task.rewards import pick_accuracy_reward  # noqa: E402
+from simple_grpo.task.rewards import parse_reward_spec, pick_accuracy_reward  # noqa: E402
 
 MOST = 0.5  # "most groups are all-alike" from this share on
 
@@ -77,10 +77,10 @@ def load_first_problems(cfg):
 
 
 def check_flags(cfg):
-    """Reject bad values before the slow start-up; returns the reward weights {name: weight}."""
+    """Reject bad values before the slow start-up."""
     if cfg.n < 1:
         raise SystemExit(f"--n must be at least 1, got {cfg.n}")
-    return check_task(cfg)
+    check_task(cfg)
 
 
 # ---------------------------------------------------------------------------- what the samples say
@@ -175,7 +175,8 @@ def write_completions(cfg, tokenizer, prompts, prompt_rows, completion_ids, samp
 
 # ---------------------------------------------------------------------------- the probe
 def probe(cfg):
-    weights = check_flags(cfg)
+    check_flags(cfg)
+    weights = parse_reward_spec(cfg.reward_funcs, cfg.reward_weights)  # {name: weight}
     problems = load_first_problems(cfg)
     tokenizer = load_tokenizer(cfg)
     G = cfg.num_generations

@@ -1,10 +1,9 @@
-"""The frozen reference model: loaded once, then per-token log-probs added to each uploaded group."""
+"""The frozen reference model, loaded once (its log-probs of a group: simple_grpo/logprobs.py's reference_group_logps)."""
 import os
 
 import torch
 
 from simple_grpo.devices import auto_device, auto_dtype
-from simple_grpo.logprobs import sequence_logps
 from simple_grpo.protocol import TOKEN_ENV
 from simple_grpo.reference.http_server import is_loopback
 
@@ -27,11 +26,3 @@ def load_model(cfg):
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype).to(cfg.device).eval()
     return model.requires_grad_(False)
 
-
-def add_ref_logps(model, tensors, meta, device):
-    """tensors["ref_logps"] (G, C): the reference model's per-token log-probs of the completions."""
-    prompt = tensors["prompt_ids"].to(device).unsqueeze(0)  # one prompt, G completions
-    with torch.inference_mode():
-        ref_logps = sequence_logps(model, prompt, torch.ones_like(prompt), tensors["completion_ids"].to(device),
-                                   temperature=meta.get("temperature", 1.0))
-    tensors["ref_logps"] = ref_logps.float().cpu()

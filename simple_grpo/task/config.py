@@ -44,8 +44,8 @@ class TaskConfig(DataConfig):
 
 
 def check_task(cfg):
-    """Reject bad task values before the slow start-up. Returns the reward weights {name: weight}
-    (a --reward_file adds names, so it is loaded here)."""
+    """Reject bad task values before the slow start-up. A --reward_file is loaded here (it adds reward
+    names), so that --reward_funcs and --reward_weights can be checked (parse_reward_spec)."""
     if cfg.prompt_format not in ("chat", "raw"):
         raise SystemExit(f"unknown --prompt_format {cfg.prompt_format!r}: use one of chat, raw")
     if cfg.num_generations < 2:
@@ -56,7 +56,7 @@ def check_task(cfg):
     if cfg.reward_file:
         load_reward_file(cfg.reward_file)
     try:
-        return parse_reward_spec(cfg.reward_funcs, cfg.reward_weights)
+        parse_reward_spec(cfg.reward_funcs, cfg.reward_weights)
     except ValueError as e:
         raise SystemExit(str(e)) from None
 

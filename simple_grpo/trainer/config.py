@@ -97,13 +97,11 @@ class TrainerConfig(TaskConfig):
 
 
 def check_options(cfg):
-    """Fill in the defaults that depend on other options and reject bad values early, before
-    the slow start-up. Each value it fills in for a flag the user left unset is printed once, with
-    why (rank 0's trainer process), and the trainers write cfg as filled in to runs/NAME/config.json.
-    Returns the reward weights {name: weight} (a reward file adds names)."""
+    """Refuse bad values (check_values), then fill in the defaults that depend on other options, before
+    the slow start-up. Each value it fills in for a flag the user left unset is printed once, with why
+    (rank 0's trainer process), and the trainers write cfg as filled in to runs/NAME/config.json."""
+    check_values(cfg)
     derived = {}  # flag -> (value, why): the defaults filled in below, printed at the end
-    if cfg.loss_type not in LOSS_TYPES:
-        raise SystemExit(f"unknown --loss_type {cfg.loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
     if cfg.epsilon_high is None:
         cfg.epsilon_high = {"dapo": 0.28, "cispo": 4.0}.get(cfg.loss_type, cfg.epsilon)
         derived["epsilon_high"] = (cfg.epsilon_high, f"--loss_type {cfg.loss_type}'s upper clip"
@@ -112,16 +110,6 @@ def check_options(cfg):
         cfg.scale_rewards = "none" if cfg.loss_type == "dr_grpo" else "group"
         derived["scale_rewards"] = (cfg.scale_rewards, "--loss_type dr_grpo's: advantages are not divided by a std"
                                     if cfg.loss_type == "dr_grpo" else "each group's reward std divides its advantages")
-    for name, allowed in (("scale_rewards", ("group", "batch", "none")), ("kl_estimator", ("k1", "k2", "k3")),
-                          ("advantage_estimator", ADVANTAGE_ESTIMATORS),
-                          ("importance_sampling_level", ("token", "sequence"))):
-        if getattr(cfg, name) not in allowed:
-            raise SystemExit(f"unknown --{name} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}")
-    if getattr(cfg, "regroup", False) and cfg.advantage_estimator != "grpo":
-        raise SystemExit(f"--advantage_estimator {cfg.advantage_estimator} with --regroup: the regrouping server "
-                         "computes GRPO's advantages itself; leave one of them out")
-    if cfg.use_peft:
-        check_lora(cfg)
     lr_given = cfg.lr is not None
     if not lr_given:
         cfg.lr = default_lr(cfg.model)
@@ -131,10 +119,6 @@ def check_options(cfg):
     if not cfg.ref_url:  # whether a reference server is used follows from it (protocol.uses_ref_server)
         cfg.ref_url, why = default_ref_url(cfg)
         derived["ref_url"] = (cfg.ref_url or "(none)", why)
-    check_loss_impl(cfg.loss_impl)  # triton where Triton cannot run stops here
-    reward_weights = check_task(cfg)  # the model, data, reward and sampling flags (task.py)
-    parse_stop_on(cfg.stop_on)
-    Tracker.check(cfg.report_to)
     # the DeepSpeed config, once: a --deepspeed file can change the stage, dtype and lr the rest reads. The
     # defaults tell the flags the user set from the rest (an lr not given: this model's default)
     defaults = type(cfg)(lr=None if lr_given else cfg.lr)
@@ -152,7 +136,28 @@ def check_options(cfg):
             print("defaults derived for the flags left unset (runs/RUN_NAME/config.json holds every flag as resolved):")
         for name, (value, why) in derived.items():
             print(f"  {name} {f'{value:g}' if isinstance(value, float) else value}: {why}")
-    return reward_weights
+
+
+def check_values(cfg):
+    """Stop with an error naming the flag on an unknown name, a bad number or an impossible combination
+    (the task's flags: task/config.py's check_task, which loads a --reward_file). Sets nothing."""
+    if cfg.loss_type not in LOSS_TYPES:
+        raise SystemExit(f"unknown --loss_type {cfg.loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
+    if cfg.scale_rewards not in ("", "group", "batch", "none"):  # "": check_options fills it in
+        raise SystemExit(f"unknown --scale_rewards {cfg.scale_rewards!r}: use one of group, batch, none")
+    for name, allowed in (("kl_estimator", ("k1", "k2", "k3")), ("advantage_estimator", ADVANTAGE_ESTIMATORS),
+                          ("importance_sampling_level", ("token", "sequence"))):
+        if getattr(cfg, name) not in allowed:
+            raise SystemExit(f"unknown --{name} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}")
+    if getattr(cfg, "regroup", False) and cfg.advantage_estimator != "grpo":
+        raise SystemExit(f"--advantage_estimator {cfg.advantage_estimator} with --regroup: the regrouping server "
+                         "computes GRPO's advantages itself; leave one of them out")
+    if cfg.use_peft:
+        check_lora(cfg)
+    check_loss_impl(cfg.loss_impl)  # triton where Triton cannot run stops here
+    check_task(cfg)  # the model, data, reward and sampling flags (task/config.py)
+    parse_stop_on(cfg.stop_on)
+    Tracker.check(cfg.report_to)
 
 
 def default_ref_url(cfg):

@@ -76,10 +76,10 @@ def reference_logps(engine, batch, cfg):
 def grpo_update(engine, batch, cfg, stop_ids):
     """The GRPO update on one collated batch: the loss's diagnostics, and the per-token log-probs.
 
-    old_logps, the old policy's log-probs in the ratio, are the trainer's own from the first iteration
-    (ratio 1 there). vLLM sampled the batch (batch["sampler_logps"]: its log-probs, of an older policy
+    The ratio's denominator, pi_old, is the trainer's own log-probs from the first iteration (old_logps;
+    ratio 1 there). vLLM sampled the batch (batch["sampler_logps"]: its log-probs, of an older policy
     in another precision): its numbers weight each token by capped importance sampling (cfg.tis_cap;
-    grpo_math.capped_is_weight), or, with tis_cap 0, stand in for old_logps. num_iterations > 1
+    grpo_math.capped_is_weight), or, with tis_cap 0, are pi_old in old_logps' place. num_iterations > 1
     takes several steps on the same rollouts (PPO's epochs): from the second on, the ratio moves off 1
     and the clip bounds the update. With micro_batch_groups, forward and backward go a few groups at a
     time and the gradients add up to the whole batch's, for one optimizer step. Returns the stats and the
@@ -97,10 +97,9 @@ def grpo_update(engine, batch, cfg, stop_ids):
     passes = int(max_over_ranks(len(parts)))
     token_mean = cfg.loss_type in ("bnpo", "dapo", "cispo")  # the others average over sequences first
     sampler_logps = batch.get("sampler_logps")  # (B, C) vLLM's; None where the trainer's own policy sampled
-    old_logps, skipped, norm = None, 0, None  # old_logps (B, C): set by the first iteration
+    old_logps, skipped, norm = None, 0, None  # old_logps (B, C): the trainer's own, set by the first iteration
     tis_cap = getattr(cfg, "tis_cap", 0.0)  # grpo_vllm_one's option: only it has a sampler of its own
-    if sampler_logps is not None and tis_cap == 0:  # no TIS: vLLM's numbers stand in for the old policy's
-        old_logps, sampler_logps = sampler_logps, None
+    sampler_is_pi_old = sampler_logps is not None and tis_cap == 0  # no TIS: vLLM's numbers are the ratio's base
     for _ in range(cfg.num_iterations):
         loss, stats, new_logps, entropy = 0.0, {}, [], 0.0
         for i, (q0, q1) in enumerate(parts + [parts[0]] * (passes - len(parts))):
@@ -114,10 +113,13 @@ def grpo_update(engine, batch, cfg, stop_ids):
                 continue
             new_logps.append(logps.detach())
             ref = batch["ref_logps"][rows] if "ref_logps" in batch else None  # (b, C); None with beta 0
-            part_loss, part_stats = grpo_loss(
-                logps, logps.detach() if old_logps is None else old_logps[rows], ref, batch["advantages"][rows],
-                loss_mask[rows], sampler_logps=None if sampler_logps is None else sampler_logps[rows], tis_cap=tis_cap,
-                **loss_options(cfg))
+            if sampler_is_pi_old:
+                pi_old, is_logps = sampler_logps[rows], None
+            else:  # the trainer's own (this forward's at the first iteration); vLLM's, if any, weight the tokens
+                pi_old = logps.detach() if old_logps is None else old_logps[rows]
+                is_logps = None if sampler_logps is None else sampler_logps[rows]
+            part_loss, part_stats = grpo_loss(logps, pi_old, ref, batch["advantages"][rows], loss_mask[rows],
+                                              sampler_logps=is_logps, tis_cap=tis_cap, **loss_options(cfg))
             # the part's share of the batch's loss, so the parts' gradients add up to the whole batch's: its
             # tokens' share where the loss is a mean over all tokens, its sequences' share where it is a mean
             # over sequences
