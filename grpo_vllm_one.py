@@ -1,8 +1,10 @@
-"""grpo_vllm_one.py: the fast GRPO trainer. vLLM generates the next batches while DeepSpeed trains.
+r"""grpo_vllm_one.py: the fast GRPO trainer. vLLM generates the next batches while DeepSpeed trains.
 
-    python ref_server.py &                 # the frozen reference model, 127.0.0.1:59875
+    python ref_server.py &                 # the frozen reference model (the tiny default), 127.0.0.1:59875
     python grpo_vllm_one.py                # tiny default model and toy task, on CPU
-    deepspeed --include localhost:0 grpo_vllm_one.py --gen_device 1 --model Qwen/Qwen2.5-0.5B ...
+    python ref_server.py --model Qwen/Qwen2.5-0.5B &      # GPU 0; the server must hold the trainer's --model
+    deepspeed --include localhost:2 grpo_vllm_one.py --gen_device 1 --model Qwen/Qwen2.5-0.5B \
+        --dataset openai/gsm8k --dataset_config main      # the trainer on GPU 2, vLLM on GPU 1
 
 Three processes, one pipeline (ref_server.py is the third; with --beta 0 there is none):
 
