@@ -89,10 +89,10 @@ def test_the_answers_setting_runs_end_to_end_in_short(smollm2):  # noqa: F811
     report = json.loads(out.stdout.strip().splitlines()[-1])
     models = ("base", "start", "control", "raft", "grpo")
     assert set(report) == {*models, "gain_vs_start", "gain_vs_raft", "gain_vs_control", "grpo_minutes",
-                           "raft_minutes", "minutes", "steps", "control_steps_derivation", "commit", "start", "flags"}
+                           "raft_minutes", "minutes", "steps", "control_steps_derivation", "commit", "start_made", "flags"}
     assert report["steps"] == {"grpo": 2, "raft": 2, "control": 3}
     assert set(report["flags"]) == {"start", "grpo", "raft", "control", "evaluation"}
-    assert report["start"]["recipe"]["train_n"] == 300
+    assert report["start_made"]["recipe"]["train_n"] == 300
     for name in models:
         assert report[name]["n"] == 16 and 0 <= report[name]["accuracy"] <= 1, report[name]
     for other in ("start", "raft", "control"):
@@ -144,8 +144,8 @@ def test_the_report_records_the_steps_each_arm_trained_the_commit_the_start_and_
     assert record["commit"] == head and len(head) == 40
     with open(start / "warm_start.json") as f:
         made = json.load(f)
-    assert record["start"] == {"dir": str(start), "key": made["key"], "recipe": made["recipe"]}
-    assert record["start"]["recipe"]["steps"] == 2 and record["start"]["recipe"]["batch_size"] == 2  # every flag
+    assert record["start_made"] == {"dir": str(start), "key": made["key"], "recipe": made["recipe"]}
+    assert record["start_made"]["recipe"]["steps"] == 2 and record["start_made"]["recipe"]["batch_size"] == 2
     assert record["flags"] == commands
     assert git_commit(tmp_path) is None  # outside a git checkout
 

@@ -132,7 +132,7 @@ def write_seed_run(run_dir, evals, start_key="k0"):
                 scores = [{"correctness": c, "strict": c} for c in samples]
                 f.write(json.dumps({"question": f"q{i}", "scores": scores}) + "\n")
     with open(run_dir / "report.json", "w") as f:
-        json.dump({"start": {"dir": f".cache/models/start-{start_key}", "key": start_key}}, f)
+        json.dump({"start_made": {"dir": f".cache/models/start-{start_key}", "key": start_key}}, f)
 
 
 def seed_table(*args):

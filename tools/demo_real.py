@@ -17,12 +17,12 @@ training does, on this CPU?
 6. evaluates both ("after": the last checkpoint GRPO saved, so --steps after -- is followed; "control");
 7. prints a table, GRPO's paired gains (the same problems, with 95% intervals) against "before" and against
    the control, and one last JSON line {"base", "before", "control", "after", "gain_vs_before",
-   "gain_vs_control", "grpo_minutes", "minutes", "steps", "control_steps_derivation", "commit", "start",
-   "flags"}; beside math-verify's accuracy, each row and gain has the strict one (accuracy_strict: a plain
+   "gain_vs_control", "grpo_minutes", "minutes", "steps", "control_steps_derivation", "commit",
+   "start_made", "flags"}; beside math-verify's accuracy, each row and gain has the strict one (accuracy_strict: a plain
    integer in the <answer> tags, simple_grpo/task/rewards.py); the same report is written to
    runs/demo_real_seedN/report.json. "steps" holds the steps each arm trained (the control's as its
-   warm_start.json counts them), "commit" git's HEAD (null outside git), "start" the start's directory, cache key
-   and every flag that made it, "flags" each arm's command line.
+   warm_start.json counts them), "commit" git's HEAD (null outside git), "start_made" the start's directory,
+   cache key and every flag that made it, "flags" each arm's command line.
 The base's and the start's evaluations are cached in the start's directory (evals/, keyed by the model and the
 evaluation flags): made once per start, not for every seed.
 GRPO learns from final answers only; the supervised start and the control learn from worked solutions.
@@ -112,7 +112,8 @@ def control_steps_derivation(grpo_steps):
 
 def provenance(start, control, commands, trained):
     """What report.json records beside the figures, to tell one run from another: the commit; the start's
-    directory, cache key and every flag that made it (its warm_start.json); each arm's command line (commands:
+    directory, cache key and every flag that made it (its warm_start.json; start_made, apart from the start's
+    figures under "start"); each arm's command line (commands:
     {arm: argv}); the steps each arm trained (trained: {arm: step} of the trainers, the control's counted in its
     warm_start.json), and how the control's were derived from GRPO's."""
     with open(os.path.join(ROOT, start, "warm_start.json")) as f:
@@ -123,7 +124,7 @@ def provenance(start, control, commands, trained):
         return os.path.relpath(arg, ROOT) if arg.startswith(ROOT + os.sep) else arg
     return {"steps": {**trained, "control": control_trained},
             "control_steps_derivation": control_steps_derivation(trained["grpo"]), "commit": git_commit(),
-            "start": {"dir": shown(start), "key": record["key"], "recipe": record["recipe"]},
+            "start_made": {"dir": shown(start), "key": record["key"], "recipe": record["recipe"]},
             "flags": {arm: [shown(arg) for arg in argv] for arm, argv in commands.items()}}
 
 
@@ -240,7 +241,7 @@ def answers_demo(args):
     print(f"\n== 1/5 the data: worked solutions for the first {FEW_SOLUTIONS} training problems, final answers only "
           "for the rest", flush=True)
     answers_only = os.path.join(run_dir, "answers_only.jsonl")
-    write_answers_only(answers_only)
+    n_answers_only = write_answers_only(answers_only)
 
     print(f"\n== 2/5 SmolLM2-135M-Instruct and its start: supervised on the {FEW_SOLUTIONS} solutions (cached)",
           flush=True)
@@ -287,7 +288,7 @@ def answers_demo(args):
     lines = [gain_line(other, report[key]) for key, other in
              (("gain_vs_start", "the start"), ("gain_vs_raft", "RAFT"), ("gain_vs_control", "the control"))]
     lines.append(f"The start and the control learned from {FEW_SOLUTIONS} worked solutions; GRPO and RAFT from the "
-                 f"final answers of the other {len(train) - FEW_SOLUTIONS}. GRPO trained {steps['grpo']} steps in "
+                 f"final answers of the other {n_answers_only}. GRPO trained {steps['grpo']} steps in "
                  f"{minutes['grpo']:.1f} minutes, RAFT {steps['raft']} in {minutes['raft']:.1f}, the control "
                  f"{report['steps']['control']} supervised steps; the demo took {report['minutes']:.1f}.")
     print_before_after(report, ANSWERS_MODELS, "\n".join(lines))

@@ -31,7 +31,7 @@ def one_start(run_dirs):
         if not os.path.isfile(path):
             raise SystemExit(f"{path} not found: each directory needs the demo's report.json, which names its start")
         with open(path) as f:
-            start = json.load(f).get("start")
+            start = json.load(f).get("start_made")
         if not start:
             raise SystemExit(f"{path} names no start (a demo from before report.json recorded it): run the seed again "
                              "to compare it with the others")

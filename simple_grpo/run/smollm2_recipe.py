@@ -53,12 +53,14 @@ FEW_START_FLAGS = [*SUPERVISED_FLAGS, "--train_n", str(FEW_SOLUTIONS), "--lr_sch
 
 def write_answers_only(path):
     """TRAIN's problems after the first FEW_SOLUTIONS, each with its final answer only ("#### N", no worked
-    solution), to the .jsonl file at path: what GRPO and RAFT are given in setting (b)."""
+    solution), to the .jsonl file at path: what GRPO and RAFT are given in setting (b). Returns how many."""
     import json
     import os
     from simple_grpo.task.problems import load_jsonl
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    answers_only = load_jsonl(os.path.join(root, TRAIN))[FEW_SOLUTIONS:]
     with open(path, "w") as f:
-        for p in load_jsonl(os.path.join(root, TRAIN))[FEW_SOLUTIONS:]:
+        for p in answers_only:
             f.write(json.dumps({"question": p["question"], "answer": "#### " + p["answer"].split("####")[-1].strip()})
                     + "\n")
+    return len(answers_only)
