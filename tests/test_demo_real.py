@@ -89,7 +89,8 @@ def test_the_answers_setting_runs_end_to_end_in_short(smollm2):  # noqa: F811
     report = json.loads(out.stdout.strip().splitlines()[-1])
     models = ("base", "start", "control", "raft", "grpo")
     assert set(report) == {*models, "gain_vs_start", "gain_vs_raft", "gain_vs_control", "grpo_minutes",
-                           "raft_minutes", "minutes", "steps", "control_steps_derivation", "commit", "start_made", "flags"}
+                           "raft_minutes", "minutes", "steps", "control_steps_derivation", "commit", "start_made",
+                           "flags"}
     assert report["steps"] == {"grpo": 2, "raft": 2, "control": 3}
     assert set(report["flags"]) == {"start", "grpo", "raft", "control", "evaluation"}
     assert report["start_made"]["recipe"]["train_n"] == 300

@@ -31,7 +31,8 @@ def test_the_path_covers_scoring_the_reference_and_the_defaults():
     rows = {path: dict(functions or []) for path, functions, *_ in reading_path.reading_path()}
     assert "score" in rows["simple_grpo/task/rewards.py"] and "extract_answer" in rows["simple_grpo/task/rewards.py"]
     assert "sequence_logps" in rows["simple_grpo/logprobs.py"]  # what the server computes, followed from its entry
-    assert "default_lr" in rows["simple_grpo/trainer/config.py"] and "default_ref_url" in rows["simple_grpo/trainer/config.py"]
+    defaults = rows["simple_grpo/trainer/config.py"]
+    assert "default_lr" in defaults and "default_ref_url" in defaults
 
 
 def test_the_careful_read_is_at_most_12_files_and_about_800_lines():

@@ -1,4 +1,4 @@
-"""The frozen reference model, loaded once (its log-probs of a group: simple_grpo/logprobs.py's reference_group_logps)."""
+"""The frozen reference model, loaded once (its log-probs of a group: logprobs.py's reference_group_logps)."""
 import os
 
 import torch
