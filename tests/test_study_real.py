@@ -80,6 +80,9 @@ def test_the_analysis_gives_grpo_minus_raft_per_run_and_the_verdict(tmp_path, mo
                 runs[f"start{start}_seed{seed}_{arm}"] = {"start": f"start{start}", "seed": seed, "arm": arm,
                                                            "greedy": str(path), "greedy_half": str(path),
                                                            "passk": str(path)}
+        start_file = tmp_path / f"start{start}.jsonl"  # start 0 right on 48 problems, start 1 on 51
+        write_details(start_file, [1] * (48 + 3 * start) + [0] * (52 - 3 * start))
+        runs[f"start{start}"] = {"greedy": str(start_file), "passk": str(start_file)}
     args = SimpleNamespace(steps=80, starts=[0, 1], seeds=[0, 1, 2], name=str(tmp_path / "study"))
     os.makedirs(args.name)
     monkeypatch.setattr(study_real, "study_dir", lambda a: a.name)  # the plot goes beside the runs
@@ -88,6 +91,10 @@ def test_the_analysis_gives_grpo_minus_raft_per_run_and_the_verdict(tmp_path, mo
     assert primary["per_run"] == [2.0, 3.0, 4.0, 2.0, 3.0, 4.0] and primary["mean"] == 3.0
     assert report["verdict"] == primary["verdict"] == "grpo ahead"  # 90% interval [2.3, 3.7]: above 0, past +3
     assert report["complete"] and os.path.isfile(os.path.join(args.name, "pass_at_k.png"))
+    to_start = report["comparisons"]["grpo - start (greedy)"]  # each run against its own start
+    assert to_start["per_run"] == [4.0, 5.0, 6.0, 1.0, 2.0, 3.0] and to_start["mean"] == 3.5
+    assert report["comparisons"]["raft - start (greedy_half)"]["per_run"] == [2.0, 2.0, 2.0, -1.0, -1.0, -1.0]
+    assert report["pass_at_k"]["start"]["1"] == pytest.approx((0.48 + 0.51) / 2)
 
 
 @pytest.mark.parametrize("flags, refusal", [(["--steps", "3"], "give an even number"),

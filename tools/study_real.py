@@ -8,9 +8,9 @@ answers-only problems, SmolLM2-135M-Instruct, two starts x three seeds, and the 
 For each start (tools/warm_start.py on the first 300 worked solutions, --start_seed 0 and 1, cached), each seed
 and each arm, grpo_vllm_one.py trains --steps steps (80) on the other 19,700 problems' final answers with the
 recipe (simple_grpo/run/smollm2_recipe.py) on the correctness reward alone, saving step --steps/2 and --steps;
-both are evaluated greedily on the 500 test problems, and step --steps and the start by pass@k (8 samples at
-the training temperature on the first 200). A run, an evaluation, a start whose files exist is not done again:
-the study goes on where it stopped. Everything lands in runs/study50/ (runs/study50/report.json at the end).
+both and the start are evaluated greedily on the 500 test problems, and step --steps and the start by pass@k
+(8 samples at the training temperature on the first 200). A run, an evaluation, a start whose files exist is not
+done again: the study goes on where it stopped. Everything lands in runs/study50/ (runs/study50/report.json at the end).
 
 The verdict (pre-registered): D = GRPO - RAFT at step --steps, greedy, in points, one per run; the mean of the
 runs' D with its 90% interval across runs (Student's t); "equivalent" inside +-3 points, "GRPO ahead" above 0,
@@ -93,8 +93,9 @@ def run_study(args, env):
         _, start = start_of(start_seed, env, args.dry_run)
         where = os.path.join(out, f"start{start_seed}")
         os.makedirs(where, exist_ok=True)
-        start_passk = evaluate_once("passk", start, where, env, passk_args(args), args.dry_run)
-        done[f"start{start_seed}"] = {"passk": start_passk}
+        done[f"start{start_seed}"] = {
+            "greedy": evaluate_once("greedy", start, where, env, greedy_args(args), args.dry_run),
+            "passk": evaluate_once("passk", start, where, env, passk_args(args), args.dry_run)}
         for seed in args.seeds:
             for arm in ARMS:
                 name, cmd = train_command(args, start, answers_only, start_seed, seed, arm)
@@ -121,18 +122,23 @@ def accuracy(path):
 
 
 def difference(runs, a, b, key="greedy"):
-    """Arm a - arm b in points, one per (start, seed): the same problems, so each run's difference is paired."""
+    """Arm a - arm b in points, one per (start, seed): the same problems, so each run's difference is paired.
+    b = "start" is the run's own start (its greedy evaluation, whichever checkpoint `key` names for the arm)."""
     pairs = {}
     for r in runs.values():
         if "arm" in r:
-            pairs.setdefault((r["start"], r["seed"]), {})[r["arm"]] = accuracy(r[key])
+            arms = pairs.setdefault((r["start"], r["seed"]), {})
+            arms[r["arm"]] = accuracy(r[key])
+            if "greedy" in runs.get(r["start"], {}):
+                arms["start"] = accuracy(runs[r["start"]]["greedy"])
     return [100 * (arms[a] - arms[b]) for _, arms in sorted(pairs.items()) if a in arms and b in arms]
 
 
 def analyse(runs, args):
     """The pre-registered verdict and the secondary figures, as a dict (report.json), and the pass@k plot."""
     report = {"steps": args.steps, "margin_points": MARGIN, "coverage": COVERAGE, "comparisons": {}}
-    for a, b in (("grpo", "raft"), ("reinforce_rej", "raft"), ("grpo", "reinforce_rej")):
+    for a, b in (("grpo", "raft"), ("reinforce_rej", "raft"), ("grpo", "reinforce_rej"),
+                 *((arm, "start") for arm in ARMS)):
         for key in ("greedy", "greedy_half"):
             diffs = difference(runs, a, b, key)
             entry = {"runs": len(diffs), "per_run": [round(d, 2) for d in diffs]}
