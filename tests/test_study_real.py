@@ -95,6 +95,9 @@ def test_the_analysis_gives_grpo_minus_raft_per_run_and_the_verdict(tmp_path, mo
     assert to_start["per_run"] == [4.0, 5.0, 6.0, 1.0, 2.0, 3.0] and to_start["mean"] == 3.5
     assert report["comparisons"]["raft - start (greedy_half)"]["per_run"] == [2.0, 2.0, 2.0, -1.0, -1.0, -1.0]
     assert report["pass_at_k"]["start"]["1"] == pytest.approx((0.48 + 0.51) / 2)
+    assert report["accuracy"] == {"start (greedy)": 0.495, "grpo (greedy)": 0.53, "grpo (greedy_half)": 0.53,
+                                  "raft (greedy)": 0.5, "raft (greedy_half)": 0.5, "reinforce_rej (greedy)": 0.5,
+                                  "reinforce_rej (greedy_half)": 0.5}
 
 
 @pytest.mark.parametrize("flags, refusal", [(["--steps", "3"], "give an even number"),

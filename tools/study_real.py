@@ -134,6 +134,11 @@ def difference(runs, a, b, key="greedy"):
     return [100 * (arms[a] - arms[b]) for _, arms in sorted(pairs.items()) if a in arms and b in arms]
 
 
+def entries_of(runs, label):
+    """runs.json's entries of one model: an arm's runs, or (label "start") the starts."""
+    return [r for r in runs.values() if (r.get("arm") == label if label in ARMS else "arm" not in r)]
+
+
 def analyse(runs, args):
     """The pre-registered verdict and the secondary figures, as a dict (report.json), and the pass@k plot."""
     report = {"steps": args.steps, "margin_points": MARGIN, "coverage": COVERAGE, "comparisons": {}}
@@ -148,14 +153,18 @@ def analyse(runs, args):
                     .replace("B ahead", f"{b} ahead")
                 entry.update(mean=round(mean, 2), interval=[round(low, 2), round(high, 2)], verdict=verdict)
             report["comparisons"][f"{a} - {b} ({key})"] = entry
+    report["accuracy"] = {}  # each model's greedy accuracy, the mean over its runs (the starts': over the starts)
+    for label in ("start", *ARMS):
+        for key in ("greedy", "greedy_half") if label in ARMS else ("greedy",):
+            files = [r[key] for r in entries_of(runs, label) if key in r]
+            if files:
+                report["accuracy"][f"{label} ({key})"] = round(sum(map(accuracy, files)) / len(files), 4)
     primary = report["comparisons"]["grpo - raft (greedy)"]
     report["verdict"] = primary.get("verdict", "undecided: fewer than 2 runs")
     report["complete"] = primary["runs"] == len(args.starts) * len(args.seeds)
     curves = {}
-    for label, pick in (("start", lambda r: "arm" not in r), *((arm, lambda r, a=arm: r.get("arm") == a)
-                                                                for arm in ARMS)):
-        files = [r["passk"] for r in runs.values() if pick(r)]
-        per_file = [pass_at_k_curve(read_details(f)) for f in files]
+    for label in ("start", *ARMS):
+        per_file = [pass_at_k_curve(read_details(r["passk"])) for r in entries_of(runs, label)]
         if per_file:
             curves[label] = {k: sum(c[k] for c in per_file) / len(per_file) for k in per_file[0]}
     report["pass_at_k"] = {label: {str(k): round(v, 4) for k, v in c.items()} for label, c in curves.items()}
@@ -213,6 +222,10 @@ def main():
         shown = f"{entry['mean']:+.1f} [{entry['interval'][0]:+.1f}, {entry['interval'][1]:+.1f}]" if "mean" in entry \
             else "-"
         print(f"{name:<36} {shown:<22} {entry.get('verdict', '')}  per run {entry['per_run']}")
+    for name, value in report["accuracy"].items():
+        print(f"{name:<36} {value:.3f}  (greedy accuracy, mean over its runs)")
+    for label, curve in report["pass_at_k"].items():
+        print(f"pass@k {label:<29} " + " ".join(f"{k}:{v:.3f}" for k, v in curve.items()))
     print(json.dumps({"verdict": report["verdict"], "complete": report["complete"]}))
 
 
