@@ -17,8 +17,8 @@ training does, on this CPU?
 6. evaluates both ("after": the last checkpoint GRPO saved, so --steps after -- is followed; "control");
 7. prints a table, GRPO's paired gains (the same problems, with 95% intervals) against "before" and against
    the control, and one last JSON line {"base", "before", "control", "after", "gain_vs_before",
-   "gain_vs_control", "grpo_minutes", "minutes", "steps", "control_steps_derivation", "commit",
-   "start_made", "flags"}; beside math-verify's accuracy, each row and gain has the strict one (accuracy_strict: a plain
+   "gain_vs_control", "grpo_minutes", "minutes", "steps", "control_steps_derivation", "commit", "start_made",
+   "flags"}; beside math-verify's accuracy, each row and gain has the strict one (accuracy_strict: a plain
    integer in the <answer> tags, simple_grpo/task/rewards.py); the same report is written to
    runs/demo_real_seedN/report.json. "steps" holds the steps each arm trained (the control's as its
    warm_start.json counts them), "commit" git's HEAD (null outside git), "start_made" the start's directory,
@@ -112,10 +112,10 @@ def control_steps_derivation(grpo_steps):
 
 def provenance(start, control, commands, trained):
     """What report.json records beside the figures, to tell one run from another: the commit; the start's
-    directory, cache key and every flag that made it (its warm_start.json; start_made, apart from the start's
-    figures under "start"); each arm's command line (commands:
-    {arm: argv}); the steps each arm trained (trained: {arm: step} of the trainers, the control's counted in its
-    warm_start.json), and how the control's were derived from GRPO's."""
+    directory, cache key and every flag that made it (its warm_start.json; under "start_made", apart from the
+    start's figures under "start"); each arm's command line (commands: {arm: argv}); the steps each arm trained
+    (trained: {arm: step} of the trainers, the control's counted in its warm_start.json), and how the control's
+    were derived from GRPO's."""
     with open(os.path.join(ROOT, start, "warm_start.json")) as f:
         record = json.load(f)
     with open(os.path.join(ROOT, control, "warm_start.json")) as f:

@@ -20,6 +20,7 @@ runs' D with its 90% interval across runs (Student's t); "equivalent" inside +-3
   reinforce_rej  --advantage_estimator grpo --scale_rewards none (r - mean(r); all-alike groups dropped)
 """
 import argparse
+import functools
 import json
 import os
 import signal
@@ -117,20 +118,23 @@ def run_study(args, env):
     return done
 
 
+@functools.lru_cache(maxsize=None)
 def accuracy(path):
+    """A details file's accuracy, read once: the analysis asks for a start's or a run's file in several pairs."""
     return details_accuracy(read_details(path))
 
 
 def difference(runs, a, b, key="greedy"):
     """Arm a - arm b in points, one per (start, seed): the same problems, so each run's difference is paired.
     b = "start" is the run's own start (its greedy evaluation, whichever checkpoint `key` names for the arm)."""
+    starts = {name: accuracy(r["greedy"]) for name, r in runs.items() if "arm" not in r and "greedy" in r}
     pairs = {}
     for r in runs.values():
         if "arm" in r:
             arms = pairs.setdefault((r["start"], r["seed"]), {})
             arms[r["arm"]] = accuracy(r[key])
-            if "greedy" in runs.get(r["start"], {}):
-                arms["start"] = accuracy(runs[r["start"]]["greedy"])
+            if r["start"] in starts:
+                arms["start"] = starts[r["start"]]
     return [100 * (arms[a] - arms[b]) for _, arms in sorted(pairs.items()) if a in arms and b in arms]
 
 
