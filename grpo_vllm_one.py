@@ -92,7 +92,7 @@ def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
     # the trainer notices a dead ref server first, and names it, if this process waits longer
     cfg = dataclasses.replace(cfg, peer_timeout=cfg.peer_timeout + 15)
     t0 = time.time()
-    llm = start_vllm(cfg, compile=cfg.gen_compile)
+    llm = start_vllm(cfg, compile=cfg.gen_compile, max_seqs=cfg.batch_prompts * cfg.num_generations)
     channels.status.put(("ready", time.time() - t0))
     tokenizer = llm.get_tokenizer()
     stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)

@@ -29,7 +29,13 @@ CFG = Config(model=os.path.join(ROOT, "models", "tiny-math"), dataset=os.path.jo
 
 @pytest.fixture(scope="module")
 def llm():
-    return start_vllm(CFG)
+    return start_vllm(CFG, max_seqs=CFG.batch_prompts * CFG.num_generations)  # as grpo_vllm_one's worker starts it
+
+
+def test_vllm_decodes_at_most_a_batch_of_completions_at_once(llm):
+    """max_num_seqs is the batch's completions, not vLLM's default (1024 on an H100, whose start-up profile
+    then samples 1024 rows of logits out of the memory share the plan gives to KV cache)."""
+    assert llm.llm_engine.vllm_config.scheduler_config.max_num_seqs == CFG.batch_prompts * CFG.num_generations == 16
 
 
 @pytest.fixture()

@@ -21,7 +21,7 @@ def quiet_vllm():
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
-def start_vllm(cfg, compile=False, block_size=None):
+def start_vllm(cfg, compile=False, block_size=None, max_seqs=None):
     """An in-process vLLM engine (no engine subprocess: weights can be handed to it directly)
     that reports the log-probs of sampled tokens after temperature, as the trainer computes them.
     On a CPU the model runs eagerly unless compile: torch.compile then takes ~25 s more at
@@ -31,7 +31,12 @@ def start_vllm(cfg, compile=False, block_size=None):
     block at a time. On a CPU vLLM's blocks are 128 tokens unless set, and a prompt shorter than
     that (the tiny task's are 112-138 tokens) would run G times over; blocks of CPU_BLOCK_SIZE
     share all of it but its last few tokens (bench/sampling.py measures both). block_size: None is CPU_BLOCK_SIZE on
-    a CPU and vLLM's own default on a GPU (16)."""
+    a CPU and vLLM's own default on a GPU (16).
+
+    max_seqs: the most sequences vLLM decodes at once (its max_num_seqs; None: vLLM's default, 1024 on an
+    H100/H200). The trainer passes its batch's completions: vLLM sizes its start-up profile by it, and at
+    1024 the profile's sampler pass over (1024, vocab) float32 logits takes ~3 GB of the GPU share that the
+    memory plan gives to KV cache (seen on an H100 with Qwen's 151,936-token vocabulary: docs/gpu_notes.md)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     quiet_vllm()
@@ -41,7 +46,8 @@ def start_vllm(cfg, compile=False, block_size=None):
     return LLM(model=cfg.model, dtype=cfg.dtype, seed=cfg.seed, tensor_parallel_size=cfg.gen_tp,
                enforce_eager=not (torch.cuda.is_available() or compile), max_model_len=cfg.max_model_len,
                gpu_memory_utilization=vllm_memory_share(cfg.gen_memory, shared_gpu=True),
-               logprobs_mode="processed_logprobs", **({"block_size": block_size} if block_size else {}))
+               logprobs_mode="processed_logprobs", **({"block_size": block_size} if block_size else {}),
+               **({"max_num_seqs": max_seqs} if max_seqs else {}))
 
 
 def stop_vllm(llm):
