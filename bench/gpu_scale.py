@@ -33,7 +33,9 @@ The last line printed is a JSON object; medians leave the first step out (vLLM's
   gpu_peak_gb, plan_gpu_gb   nvidia-smi's used memory over the idle GPU's (every process on it), and the plan's
                              training GPU (vLLM's share included); ref_server_gpu_gb is the server's own, where
                              nvidia-smi names its process, and gpu_vs_plan compares the rest with the plan
-  host_peak_gb, plan_host_gb resident memory of the trainer, its vLLM worker and the ref server, and the plan's host
+  host_peak_gb, plan_host_gb proportional memory (PSS: shared pages once) of the trainer, its vLLM worker and the
+                             ref server, and the plan's host RAM; trainer_host_peak_gb leaves the server out, and
+                             host_vs_plan compares it with the plan (which leaves the server's host memory out)
 Without CUDA the GPU figures are null and the plan is made for an 80 GB GPU (--plan_gpu_gb).
 """
 import json
@@ -50,7 +52,7 @@ import requests
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-from bench.harness import wait_peak_rss  # noqa: E402
+from bench.harness import tree_pss, wait_peak_rss  # noqa: E402
 from simple_grpo.flags import flag, parse_flags  # noqa: E402
 from simple_grpo.run.launch import MODEL, ROOT, free_port, start_ref_server, stop  # noqa: E402
 from simple_grpo.run.metrics import read_metrics  # noqa: E402
@@ -203,7 +205,7 @@ def main(cfg, extra):
         trainer = subprocess.Popen([sys.executable, "grpo_vllm_one.py", *flags, "--steps", str(cfg.steps),
                                     "--save_every", str(cfg.steps), "--log_completions_every", "0",
                                     "--run_name", cfg.run_name, "--overwrite"], cwd=ROOT, env=env)
-        host_peak, host_peak_with_server = wait_peak_rss(trainer, also=server)
+        host_peak, host_peak_with_server = wait_peak_rss(trainer, also=server, measure=tree_pss)
         if trainer.returncode != 0:
             raise SystemExit(f"grpo_vllm_one.py failed with exit code {trainer.returncode}")
         print(f"gpu_scale: {cfg.steps} steps in {time.time() - t0:.0f} s with start-up and the final save",
@@ -248,7 +250,7 @@ def main(cfg, extra):
         "plan_gpu_gb": planned["trainer_gpu_gb"],
         "gpu_vs_plan": round(gpu_rest / planned["trainer_gpu_gb"], 3) if memory else None,
         "host_peak_gb": round(host_peak_with_server / GB, 2), "plan_host_gb": planned["host_gb"],
-        "host_vs_plan": round(host_peak_with_server / GB / planned["host_gb"], 3) if planned["host_gb"] else None,
+        "host_vs_plan": round(host_peak / GB / planned["host_gb"], 3) if planned["host_gb"] else None,
         "trainer_host_peak_gb": round(host_peak / GB, 2),
         "note": f"random weights: a token is EOS about once in {shape_info['vocab']:,}, so completions run to or near "
                 f"the {cfg.max_new_tokens}-token limit (completion_len): the worst case for generation",

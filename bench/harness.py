@@ -40,14 +40,26 @@ def tree_rss(proc):
     return total
 
 
-def wait_peak_rss(proc, also=None):
-    """Wait for PROC to exit, sampling memory every 0.2 s; returns its tree's peak RSS in bytes,
-    and the peak of its tree plus ALSO's (another process, sampled at the same moments)."""
+def tree_pss(proc):
+    """Proportional memory of a process and all its children, in bytes: a page that k processes map counts 1/k
+    in each, so the sum counts shared memory once (tree_rss counts it in every process that maps it)."""
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            total += p.memory_full_info().pss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def wait_peak_rss(proc, also=None, measure=tree_rss):
+    """Wait for PROC to exit, sampling memory (measure: tree_rss or tree_pss) every 0.2 s; returns its tree's
+    peak in bytes, and the peak of its tree plus ALSO's (another process, sampled at the same moments)."""
     watched, other, peak, peak_with = psutil.Process(proc.pid), also and psutil.Process(also.pid), 0, 0
     while proc.poll() is None:
         try:
-            rss = tree_rss(watched)
-            peak, peak_with = max(peak, rss), max(peak_with, rss + (tree_rss(other) if other else 0))
+            rss = measure(watched)
+            peak, peak_with = max(peak, rss), max(peak_with, rss + (measure(other) if other else 0))
         except psutil.NoSuchProcess:
             pass
         time.sleep(0.2)

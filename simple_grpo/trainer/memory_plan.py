@@ -27,7 +27,13 @@ flattens the 16-bit gradient partition once more (d/N); ZeRO-3 keeps that partit
 the fp32 gradients one 1e9-element sub-group at a time (so 18/N may overstate it; 20/N never does).
 ZeRO-3 float32 without offload keeps no master copy (its fp32 partition is the weights). The host
 loads the checkpoint in the training dtype on every rank (dP each; DeepSpeed's estimators assume
-fp32, 4P). Not counted: the reference server's model (its own device). Where vLLM shares the training
+fp32, 4P). Host RAM is then the larger of that load and what a step holds: under ZeRO-1/2 offload the
+fp32 master and gradients and a d-byte staging copy are page-locked, each rounded up to a power of two
+(pinned()), Adam's m and v are not; with several passes a step a page-locked d-byte buffer per parameter
+sums the gradients; grpo_vllm_one's weight sync keeps two d-byte copies of the weights in shared memory;
+a checkpoint's save copies the weights once more; and each process (rank, vLLM worker) adds
+PROCESS_RUNTIME. On an H100 at 3B this bounds what ran (docs/gpu_notes.md). Not counted: the reference
+server's model (its own device). Where vLLM shares the training
 GPU (--gen_device -1 on a node with no GPU to spare, as devices.generation_gpus decides, for this
 machine's GPUs or --plan_gpus N of them), its --gen_memory share of that GPU is a row of the trainer's.
 grpo_train.py has no vLLM: its plan has no generation GPU.
@@ -44,6 +50,10 @@ GB = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 BUCKET_ELEMENTS = 5e8  # DeepSpeed's reduce_bucket_size default: one gradient bucket this long
 VLLM_RUNTIME = 2 * GB  # vLLM beyond weights and KV cache: profiled activations, CUDA graphs, sampler
+# The host memory of each trainer rank and vLLM worker beyond the buffers the plan counts: CUDA's context and
+# libraries, allocator caches, vLLM's compile workers. On an H100 at 3B (docs/gpu_notes.md) the trainer and its
+# worker held 4.6 GB beyond the counted rows between them; 3 GB a process bounds that.
+PROCESS_RUNTIME = 3 * GB
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,7 +80,14 @@ def count_parameters(model):
             "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
             "intermediate": config.intermediate_size, "model_type": config.model_type,
             "linears": tuple((name.rsplit(".", 1)[-1], mod.in_features, mod.out_features)
-                             for name, mod in net.named_modules() if isinstance(mod, torch.nn.Linear))}
+                             for name, mod in net.named_modules() if isinstance(mod, torch.nn.Linear)),
+            "numels": tuple(p.numel() for p in net.parameters())}  # each parameter's size (tied ones once)
+
+
+def pinned(nbytes):
+    """What a page-locked host buffer of nbytes takes: torch's CUDA host allocator (pin_memory) rounds every
+    allocation up to a power of two (ATen/core/CachingHostAllocator.h), so a 12.3 GB fp32 partition takes 17.2."""
+    return 2 ** math.ceil(math.log2(nbytes)) if nbytes > 0 else 0
 
 
 def lora_parameters(cfg, m):
@@ -183,10 +200,22 @@ def plan_memory(cfg, world_size=1, gpu_gb=None):
     least = math.ceil(gen["needs"] / gpu * 100) / 100  # the smallest gen_memory that holds it
 
     # ALGO LOGIC: host RAM of the node (all `world_size` ranks on it)
-    host = {"load": d * P * N, "optimizer_offload": host_per_rank * N,
-            "staging": d * A if offload and stage < 3 else 0}  # ZeRO-1/2 offload: a d-byte copy of each partition
-    host["model_states"] = max(4 * P * N, host["optimizer_offload"])  # what DeepSpeed's estimators count
-    host["total"] = max(host["load"], host["optimizer_offload"] + host["staging"])
+    passes = math.ceil(prompts / min(per_part or prompts, prompts))  # forward/backward passes per step
+    host = {"load": d * P * N, "optimizer_offload": host_per_rank * N, "staging": 0, "accumulation": 0}
+    if offload and stage < 3:  # ZeRO-1/2 (stage_1_and_2.py): the fp32 master and gradients and a d-byte copy of
+        a = A / N  # each rank's partition are page-locked (rounded up); Adam's m and v are not
+        host["optimizer_offload"] = N * (2 * pinned(4 * a) + 8 * a)
+        host["staging"] = N * (pinned(d * a) + pinned(d * max(m["numels"])))  # and the largest gradient's buffer
+        if passes > 1:  # a page-locked d-byte buffer per parameter holds the gradients summed over the passes
+            host["accumulation"] = 2 * d * A if cfg.use_peft else sum(pinned(d * n) for n in m["numels"])
+    senders = math.ceil(N / (cfg.gen_every or N)) if uses_vllm else 0  # ranks that run generation workers
+    host["weight_sync"] = senders * 2 * d * P  # generation/weight_sync.py: two shared buffers of the weights
+    host["checkpoint"] = d * P  # a save: DeepSpeed's copy of the module's state, then save_pretrained's
+    processes = N + senders * (cfg.gen_workers if uses_vllm else 0)
+    host["runtime"] = processes * PROCESS_RUNTIME
+    host["model_states"] = max(4 * P * N, host_per_rank * N)  # what DeepSpeed's estimators count
+    host["total"] = max(host["load"], sum(host[row] for row in ("optimizer_offload", "staging", "accumulation",
+                                                                  "weight_sync", "checkpoint"))) + host["runtime"]
 
     reasons = [f"trainer needs {trainer['total'] / GB:.1f} GB of the {gpu_gb:.0f} GB training GPU"
                + (f", vLLM's --gen_memory {gen_memory} share included" if shared else "")]
@@ -242,8 +271,10 @@ def format_plan(plan):
               f"  {'takes (gen_memory ' + str(plan['gen_memory']) + ')':<34}{g['takes'] / GB:>8.1f}",
               f"  {'needs':<34}{g['needs'] / GB:>8.1f}   weights {g['weights'] / GB:.1f} + KV cache "
               f"{g['kv_cache'] / GB:.1f} + runtime {g['runtime'] / GB:.1f}",
-              f"{'host RAM':<36}{h['total'] / GB:>8.1f}   loading {h['load'] / GB:.1f}; optimizer offload "
-              f"{h['optimizer_offload'] / GB:.1f} + staging copy {h['staging'] / GB:.1f}",
+              f"{'host RAM':<36}{h['total'] / GB:>8.1f}   the larger of loading {h['load'] / GB:.1f} and optimizer "
+              f"offload {h['optimizer_offload'] / GB:.1f} + staging {h['staging'] / GB:.1f} + accumulation "
+              f"{h['accumulation'] / GB:.1f} + weight sync {h['weight_sync'] / GB:.1f} + checkpoint "
+              f"{h['checkpoint'] / GB:.1f}; then processes {h['runtime'] / GB:.1f}",
               "verdict: " + ("fits" if plan["fits"] else "does NOT fit")]
     return "\n".join(lines + ["  " + reason for reason in plan["reasons"]])
 
