@@ -22,14 +22,17 @@ The last line printed is a JSON object; medians leave the first step out (vLLM's
   s_per_step                 the trainer's whole step
   split_s                    generation (the worker's sampling, overlapped with the update), reference (the ref
                              server's forward per step, overlapped too; or the trainer's own pass with --lora),
-                             update (log-probs, loss, backward, optimizer step), weight_sync, wait (for a batch)
+                             update (log-probs, loss, backward, optimizer step), optimizer_step (the part of the
+                             update in the optimizer's step: with offload, AdamW on the host and the copies),
+                             weight_sync, wait (for a batch)
   generated_tokens_per_s     completion tokens vLLM samples per second
   trained_tokens_per_s       completion tokens the update trains on per second of update
   matmul_tflops              this device's measured rate for a large matmul in the run's dtype
   update_tflops, mfu         model FLOPs of the update per second, and that over matmul_tflops; FLOPs are 6 x the
                              linear layers' parameters per trained completion token (4 x with LoRA: the frozen
                              base gets no weight gradient). Prompts (run once per group), attention scores and
-                             checkpointing's recompute are not counted: a lower bound
+                             checkpointing's recompute are not counted: a lower bound. mfu_without_optimizer_step:
+                             the same FLOPs over the forward/backward passes' seconds alone
   gpu_peak_gb, plan_gpu_gb   nvidia-smi's used memory over the idle GPU's (every process on it), and the plan's
                              training GPU (vLLM's share included); ref_server_gpu_gb is the server's own, where
                              nvidia-smi names its process, and gpu_vs_plan compares the rest with the plan
@@ -221,6 +224,7 @@ def main(cfg, extra):
     synced = timed[:-1] or rows[:-1] or rows  # the last step sends no weights: there is no next batch to sample
     for r in timed:
         r["update_s"] = r["compute_s"] - r["ref_s"]
+        r["passes_s"] = r["update_s"] - r["optimizer_s"]  # the forward/backward passes alone
     # per step: the server's seconds per group times the groups in a step (noise rewards: every group is kept)
     reference = server_stats["ref_s"] / server_stats["groups_out"] * cfg.batch_prompts if server \
         else median(timed, "ref_s")
@@ -239,12 +243,15 @@ def main(cfg, extra):
         "completion_len": round(statistics.mean(r["completion_len"] for r in timed), 1),
         "s_per_step": round(median(timed, "step_s"), 3),
         "split_s": {"generation": round(median(timed, "gen_s"), 3), "reference": round(reference, 3),
-                    "update": round(median(timed, "update_s"), 3), "weight_sync": round(median(synced, "sync_s"), 3),
+                    "update": round(median(timed, "update_s"), 3),
+                    "optimizer_step": round(median(timed, "optimizer_s"), 3),  # inside the update
+                    "weight_sync": round(median(synced, "sync_s"), 3),
                     "wait": round(median(timed, "wait_s"), 3)},
         "generated_tokens_per_s": round(median(timed, "tokens_per_s"), 1),
         "trained_tokens_per_s": round(median(timed, "tokens") / median(timed, "update_s"), 1),
         "matmul_tflops": round(measured, 3), "update_tflops": round(update_tflops, 3),
         "mfu": round(update_tflops / measured, 4),
+        "mfu_without_optimizer_step": round(flops / median(timed, "passes_s") / 1e12 / measured, 4),
         "gpu_peak_gb": round(memory.peak, 2) if memory else None,
         "ref_server_gpu_gb": round(memory.server_peak, 2) if memory and memory.server_peak is not None else None,
         "plan_gpu_gb": planned["trainer_gpu_gb"],

@@ -7,7 +7,7 @@ import sys
 from simple_grpo.run.launch import ROOT
 
 FIGURES = ("s_per_step", "generated_tokens_per_s", "trained_tokens_per_s", "matmul_tflops", "update_tflops", "mfu",
-           "plan_gpu_gb", "host_peak_gb", "trainer_host_peak_gb", "completion_len")
+           "mfu_without_optimizer_step", "plan_gpu_gb", "host_peak_gb", "trainer_host_peak_gb", "completion_len")
 GPU_ONLY = ("gpu_peak_gb", "ref_server_gpu_gb", "gpu_vs_plan")
 
 
@@ -20,9 +20,11 @@ def test_gpu_scale_prints_a_step_its_split_and_memory_beside_the_plan_on_a_cpu(t
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["shape"] == "tiny-math" and result["device"] == "cpu" and result["steps"] == 2
     assert all(result[key] > 0 for key in FIGURES), result
-    assert set(result["split_s"]) == {"generation", "reference", "update", "weight_sync", "wait"}
-    assert all(result["split_s"][part] > 0 for part in ("generation", "reference", "update", "weight_sync")), \
-        result["split_s"]
+    split = result["split_s"]
+    assert set(split) == {"generation", "reference", "update", "optimizer_step", "weight_sync", "wait"}
+    assert all(split[part] > 0 for part in ("generation", "reference", "update", "optimizer_step", "weight_sync")), split
+    assert split["optimizer_step"] < split["update"]  # a part of it
+    assert result["mfu"] < result["mfu_without_optimizer_step"] < 1
     assert all(result[key] is None for key in GPU_ONLY), result  # no nvidia-smi here: not measured, not zero
     assert result["mfu"] < 1 and "random weights" in result["note"]
 

@@ -3,6 +3,7 @@ backward, one optimizer step, with what makes a step bigger (micro-batches, seve
 iterations) and faster (the shared-prompt log-prob path, simple_grpo/logprobs.py). grpo_train.py writes
 the same step out plainly and shares the pieces below: loss_options, optimizer_step, step_stats."""
 import math
+import time
 
 import torch
 
@@ -39,6 +40,14 @@ def optimizer_step(engine, loss):
         return norm, False
     engine.step()
     return norm, engine.was_step_applied()
+
+
+def synchronized_time():
+    """time.time() once the GPU has finished what was queued on it (CUDA runs asynchronously), so that the
+    seconds between two calls are the work's own."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.time()
 
 
 def step_stats(engine, norm, skipped, iterations):
@@ -98,6 +107,7 @@ def grpo_update(engine, batch, cfg, stop_ids):
     token_mean = cfg.loss_type in ("bnpo", "dapo", "cispo")  # the others average over sequences first
     sampler_logps = batch.get("sampler_logps")  # (B, C) vLLM's; None where the trainer's own policy sampled
     old_logps, skipped, norm = None, 0, None  # old_logps (B, C): the trainer's own, set by the first iteration
+    optimizer_s = 0.0  # seconds in the optimizer's steps (with --offload_optimizer, mostly on the host)
     tis_cap = getattr(cfg, "tis_cap", 0.0)  # grpo_vllm_one's option: only it has a sampler of its own
     sampler_is_pi_old = sampler_logps is not None and tis_cap == 0  # no TIS: vLLM's numbers are the ratio's base
     for _ in range(cfg.num_iterations):
@@ -130,9 +140,12 @@ def grpo_update(engine, batch, cfg, stop_ids):
             add_part_stats(stats, part_stats, token_share)  # the diagnostics are token means: weighted by tokens
             entropy += (part_entropy * loss_mask[rows]).sum().item()
         old_logps = torch.cat(new_logps) if old_logps is None else old_logps  # (B, C)
+        t0 = synchronized_time()
         norm, stepped = optimizer_step(engine, loss)
+        optimizer_s += synchronized_time() - t0
         skipped += not stepped
     stats["loss"], stats["entropy"] = loss, entropy / loss_mask.sum().clamp(min=1).item()
     stats["tokens"] = int(loss_mask.sum())  # completion tokens trained on
+    stats["optimizer_s"] = optimizer_s
     stats.update(step_stats(engine, norm, skipped, cfg.num_iterations))
     return stats, torch.cat(new_logps)
