@@ -214,8 +214,9 @@ def plan_memory(cfg, world_size=1, gpu_gb=None):
     processes = N + senders * (cfg.gen_workers if uses_vllm else 0)
     host["runtime"] = processes * PROCESS_RUNTIME
     host["model_states"] = max(4 * P * N, host_per_rank * N)  # what DeepSpeed's estimators count
-    host["total"] = max(host["load"], sum(host[row] for row in ("optimizer_offload", "staging", "accumulation",
-                                                                  "weight_sync", "checkpoint"))) + host["runtime"]
+    host["step"] = sum(host[row] for row in ("optimizer_offload", "staging", "accumulation", "weight_sync",
+                                             "checkpoint"))
+    host["total"] = max(host["load"], host["step"]) + host["runtime"]
 
     reasons = [f"trainer needs {trainer['total'] / GB:.1f} GB of the {gpu_gb:.0f} GB training GPU"
                + (f", vLLM's --gen_memory {gen_memory} share included" if shared else "")]
@@ -271,10 +272,12 @@ def format_plan(plan):
               f"  {'takes (gen_memory ' + str(plan['gen_memory']) + ')':<34}{g['takes'] / GB:>8.1f}",
               f"  {'needs':<34}{g['needs'] / GB:>8.1f}   weights {g['weights'] / GB:.1f} + KV cache "
               f"{g['kv_cache'] / GB:.1f} + runtime {g['runtime'] / GB:.1f}",
-              f"{'host RAM':<36}{h['total'] / GB:>8.1f}   the larger of loading {h['load'] / GB:.1f} and optimizer "
-              f"offload {h['optimizer_offload'] / GB:.1f} + staging {h['staging'] / GB:.1f} + accumulation "
-              f"{h['accumulation'] / GB:.1f} + weight sync {h['weight_sync'] / GB:.1f} + checkpoint "
-              f"{h['checkpoint'] / GB:.1f}; then processes {h['runtime'] / GB:.1f}",
+              f"{'host RAM':<36}{h['total'] / GB:>8.1f}   the larger of loading {h['load'] / GB:.1f} and a step's "
+              f"{h['step'] / GB:.1f} (optimizer offload {h['optimizer_offload'] / GB:.1f}, staging "
+              f"{h['staging'] / GB:.1f}, accumulation {h['accumulation'] / GB:.1f}, weight sync "
+              f"{h['weight_sync'] / GB:.1f}, checkpoint {h['checkpoint'] / GB:.1f}), plus "
+              f"{h['runtime'] / GB:.1f} for the processes ({round(h['runtime'] / PROCESS_RUNTIME)} x "
+              f"{PROCESS_RUNTIME / GB:.0f})",
               "verdict: " + ("fits" if plan["fits"] else "does NOT fit")]
     return "\n".join(lines + ["  " + reason for reason in plan["reasons"]])
 
