@@ -29,27 +29,26 @@ class SamplerConfig(GenerationConfig, TrainerConfig):
     that start vLLM themselves pass to start_vllm and sample."""
 
 
-def tree_rss(proc):
-    """Resident memory of a process and all its children, in bytes."""
+def tree_sum(proc, memory):
+    """memory(p) summed over a process and all its children, in bytes (a process gone meanwhile counts 0)."""
     total = 0
     for p in [proc, *proc.children(recursive=True)]:
         try:
-            total += p.memory_info().rss
+            total += memory(p)
         except psutil.NoSuchProcess:
             pass
     return total
+
+
+def tree_rss(proc):
+    """Resident memory of a process and all its children, in bytes."""
+    return tree_sum(proc, lambda p: p.memory_info().rss)
 
 
 def tree_pss(proc):
     """Proportional memory of a process and all its children, in bytes: a page that k processes map counts 1/k
     in each, so the sum counts shared memory once (tree_rss counts it in every process that maps it)."""
-    total = 0
-    for p in [proc, *proc.children(recursive=True)]:
-        try:
-            total += p.memory_full_info().pss
-        except psutil.NoSuchProcess:
-            pass
-    return total
+    return tree_sum(proc, lambda p: p.memory_full_info().pss)
 
 
 def wait_peak_rss(proc, also=None, measure=tree_rss):
