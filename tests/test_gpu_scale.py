@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from simple_grpo.run.launch import ROOT
 
 FIGURES = ("s_per_step", "generated_tokens_per_s", "trained_tokens_per_s", "matmul_tflops", "update_tflops", "mfu",
@@ -11,6 +13,8 @@ FIGURES = ("s_per_step", "generated_tokens_per_s", "trained_tokens_per_s", "matm
 GPU_ONLY = ("gpu_peak_gb", "ref_server_gpu_gb", "gpu_vs_plan")
 
 
+# ~40-85 s on 2 cores: the whole GRPO path of a bench, so `make test-all` runs it and `make test` leaves it
+@pytest.mark.slow
 def test_gpu_scale_prints_a_step_its_split_and_memory_beside_the_plan_on_a_cpu(tmp_path):
     done = subprocess.run([sys.executable, "bench/gpu_scale.py", "--steps", "2", "--batch_prompts", "2",
                            "--num_generations", "4", "--max_new_tokens", "32", "--max_model_len", "256",
