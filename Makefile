@@ -27,7 +27,7 @@ demo-real: smollm2
 	$(PY) tools/demo_real.py --seed $(SEED) $(if $(SETTING),--setting $(SETTING)) $(if $(START_SEED),--start_seed $(START_SEED))
 
 test: install
-	$(PY) -m pytest -q -m "not slow and not gpu"
+	$(PY) -m pytest -q -m "not slow and not gpu" --durations=15
 
 test-all: install
 	$(PY) -m pytest -q

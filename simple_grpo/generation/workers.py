@@ -8,6 +8,8 @@ gone (watch_parent), so no worker outlives its run.
 import dataclasses
 import os
 import queue
+import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -104,6 +106,9 @@ def run_on_cores(cores, target, *args):
     in-process engine like ours.)"""
     if cores is not None:
         os.sched_setaffinity(0, cores)
+    # stop_workers' SIGTERM exits through Python, so the worker's multiprocessing objects are released
+    # (killed outright, it leaves the resource tracker a "leaked semaphore" warning to print after the run's last line)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     target(*args)
 
 
@@ -124,20 +129,29 @@ def check_workers(workers):
                              f"see its log above")
 
 
-def stop_workers(workers):
-    """Ask the workers to finish; kill any that has not within 10 s, or at once if a second Ctrl-C or
-    SIGTERM cuts the wait short (else the interpreter's exit would wait for them, unbounded)."""
+def stop_workers(workers, grace=10):
+    """Ask the workers to finish; one that has not within `grace` s (busy starting vLLM, say) gets SIGTERM,
+    and SIGKILL `grace` s later. A second Ctrl-C or SIGTERM cuts the waits short and kills at once (else the
+    interpreter's exit would wait for them, unbounded)."""
     if workers:
         workers[0][1].stop.set()  # one event for all
-    deadline = time.time() + 10
     try:
+        join_all(workers, grace)
         for worker, _ in workers:
-            worker.join(timeout=max(deadline - time.time(), 0))
+            if worker.is_alive():
+                worker.terminate()
+        join_all(workers, grace)
     finally:
         for worker, _ in workers:
             if worker.is_alive():
                 worker.kill()
                 worker.join(timeout=10)
+
+
+def join_all(workers, seconds):
+    deadline = time.time() + seconds
+    for worker, _ in workers:
+        worker.join(timeout=max(deadline - time.time(), 0))
 
 
 def wait_for_vllm(workers, cfg, say=print):
