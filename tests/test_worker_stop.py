@@ -19,10 +19,9 @@ stop_a_busy_worker()
 def busy(cfg, k, channels, parent_pid):
     """A worker that holds a named semaphore (registered with the resource tracker) and never looks at
     channels.stop."""
-    lock = multiprocessing.get_context("spawn").Lock()
+    lock = multiprocessing.get_context("spawn").Lock()  # noqa: F841 - held, never released, while it sleeps
     channels.status.put(("ready", 0.0))
     time.sleep(600)
-    del lock
 
 
 def stop_a_busy_worker():
