@@ -117,7 +117,7 @@ def trl_train(completion_len, steps, out_dir, gradient_checkpointing, seed, w):
     from trl import GRPOConfig, GRPOTrainer
 
     from simple_grpo.task.problems import load_jsonl
-    from simple_grpo.task.rewards import reference_answer, score
+    from simple_grpo.task.rewards import score, true_answer
 
     torch.set_num_threads(2)
     os.makedirs(out_dir, exist_ok=True)
@@ -128,7 +128,7 @@ def trl_train(completion_len, steps, out_dir, gradient_checkpointing, seed, w):
 
     def correctness_and_format(completions, answer, **kwargs):
         # conversational prompts: each completion is [{"role": "assistant", "content": text}]
-        return [score(c[0]["content"], reference_answer(a), REWARD_WEIGHTS)["reward"]
+        return [score(c[0]["content"], true_answer(a), REWARD_WEIGHTS)["reward"]
                 for c, a in zip(completions, answer)]
 
     class StepTimer(TrainerCallback):
