@@ -224,6 +224,14 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, loss_mask, *, beta=0.04, 
     when another engine sampled (vLLM); then each token's policy-gradient term is weighted by
     capped_is_weight(old_logps, sampler_logps, tis_cap)."""
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    # a masked position may hold anything: ref_logps are padded with 0 past a completion's end, and the policy's
+    # log-prob of a padding token can be -inf or far below -88 (k3's exp(ref - logp) is then inf in float32,
+    # and inf x 0, the mask, is NaN in the loss and its gradient). Every input is set to 0 there first: the
+    # kept tokens' numbers are the same, and no masked position reaches the loss or the gradient.
+    keep = loss_mask.bool()
+    logps, old_logps = logps.masked_fill(~keep, 0.0), old_logps.masked_fill(~keep, 0.0)
+    ref_logps = ref_logps.masked_fill(~keep, 0.0) if ref_logps is not None else None
+    sampler_logps = sampler_logps.masked_fill(~keep, 0.0) if sampler_logps is not None else None
     options = {"loss_type": loss_type, "importance_sampling_level": importance_sampling_level,
                "kl_estimator": kl_estimator}
     if impl == "triton" and loss_type != "cispo" and importance_sampling_level == "token" and kl_estimator == "k3":

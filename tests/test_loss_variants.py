@@ -187,3 +187,40 @@ def test_the_raft_loss_is_supervised_training_on_the_kept_completions():
     sft = -((logps2 * mask).sum(1) / mask.sum(1))[kept].sum() / 8  # the kept ones' NLL over all 8 completions
     sft.backward()
     assert torch.allclose(logps.grad, logps2.grad, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------- masked positions
+POISONS = [-1e4, float("-inf"), float("nan")]  # what a padded position can hold: far below -88.7 (k3's exp
+# overflows in float32), -inf (a log-prob of 0 probability), NaN (anything at all)
+
+
+def poisoned(value):
+    """The small batch with every masked position of every input set to `value`; the kept ones unchanged."""
+    logps, old, ref, adv, mask = tensors()
+    off = mask == 0
+    leaf = logps.detach().masked_fill(off, value).requires_grad_()
+    return leaf, old.masked_fill(off, value), ref.masked_fill(off, 0.0 if value != value else value), adv, mask
+
+
+@pytest.mark.parametrize("value", POISONS)
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_what_a_masked_position_holds_never_reaches_the_loss_or_the_gradient(value, loss_type, level, estimator):
+    """The reference's log-probs are padded with 0 past a completion's end, and the policy's log-prob of a padding
+    token can be -inf: k3's exp(ref - logp) is inf there, and inf x 0 (the mask) would be NaN. With the sampler's
+    log-probs too (capped importance sampling), every loss option: the same loss and gradient as a clean batch,
+    and no gradient at a masked position."""
+    options = {"beta": 0.04, "epsilon": 0.2, "loss_type": loss_type, "importance_sampling_level": level,
+               "kl_estimator": estimator, "max_completion_length": 3}
+    clean_logps, old, ref, adv, mask = tensors()
+    clean, clean_stats = grpo_loss(clean_logps, old, ref, adv, mask, sampler_logps=old - 0.1, **options)
+    clean_grad, = torch.autograd.grad(clean, clean_logps)
+    logps, old_p, ref_p, adv, mask = poisoned(value)
+    loss, stats = grpo_loss(logps, old_p, ref_p, adv, mask, sampler_logps=old_p - 0.1, **options)
+    grad, = torch.autograd.grad(loss, logps)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all(), (loss, grad)
+    assert loss.item() == pytest.approx(clean.item(), abs=1e-6)
+    assert torch.allclose(grad, clean_grad, atol=1e-7)
+    assert (grad[mask == 0] == 0).all()
+    assert all(math.isfinite(v) for v in stats.values()) and stats == pytest.approx(clean_stats, abs=1e-6)

@@ -88,6 +88,30 @@ def test_loss_kernel_matches_the_torch_loss_and_gradient(beta, epsilon, epsilon_
         assert torch.allclose(got, want, atol=1e-6)
 
 
+@pytest.mark.parametrize("value", [-1e4, float("-inf"), float("nan")])
+def test_the_loss_kernel_keeps_a_masked_position_out_of_the_loss_and_gradient(value):
+    """A padded position's log-prob far below -88.7, -inf or NaN, its reference log-prob padded with 0: the
+    kernel's loss and gradient are finite and equal those of the same batch with harmless numbers there."""
+    torch.manual_seed(2)
+    B, C = 4, 6
+    clean = -torch.rand(B, C) * 3
+    old_logps, ref_logps = clean + torch.randn(B, C) * 0.3, -torch.rand(B, C) * 3
+    advantages, mask = torch.tensor([1.0, -0.5, 0.7, -1.2]), (torch.rand(B, C) > 0.3).float()
+    off = mask == 0
+    results = []
+    for fill in (None, value):
+        logps = (clean if fill is None else clean.masked_fill(off, fill)).clone().requires_grad_()
+        old = old_logps if fill is None else old_logps.masked_fill(off, fill)
+        ref = ref_logps if fill is None else ref_logps.masked_fill(off, 0.0)
+        loss, _ = grpo_loss(logps, old, ref, advantages, mask, beta=0.04, impl="triton")
+        grad, = torch.autograd.grad(loss, logps)
+        results.append((loss, grad))
+    (clean_loss, clean_grad), (loss, grad) = results
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert abs(loss.item() - clean_loss.item()) <= 1e-6 and torch.allclose(grad, clean_grad, atol=1e-7)
+    assert (grad[off] == 0).all()
+
+
 def test_sequence_logps_on_the_tiny_model_are_the_same_with_the_kernels():
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(os.path.join(os.path.dirname(os.path.dirname(__file__)),
