@@ -100,6 +100,61 @@ def test_the_analysis_gives_grpo_minus_raft_per_run_and_the_verdict(tmp_path, mo
                                   "reinforce_rej (greedy_half)": 0.5}
 
 
+def samples(correct_counts, n=8, questions=None):
+    """write_details rows: problem i sampled n times, correct_counts[i] of them right."""
+    questions = questions or [f"q{i}" for i in range(len(correct_counts))]
+    return [{"question": q, "scores": [{"correctness": int(j < c)} for j in range(n)]}
+            for q, c in zip(questions, correct_counts)]
+
+
+def test_pass_at_k_is_compared_problem_by_problem_on_the_same_problems():
+    a, b = samples([2, 8, 0]), samples([1, 8, 1])
+    diff = study_real.paired_pass_at_k(a, b)
+    assert list(diff) == list(range(1, 9))
+    assert diff[1] == pytest.approx(0.0)  # (2 - 1) / 8 on the first problem, (0 - 1) / 8 on the third
+    assert diff[8] == pytest.approx(-100 / 3)  # in 8 samples both reach the first two; only b the third
+    assert study_real.paired_pass_at_k(samples([3, 0]), samples([0, 0]))[8] == pytest.approx(50.0)
+    with pytest.raises(ValueError, match="same problems in the same order"):
+        study_real.paired_pass_at_k(a, samples([1, 8, 1], questions=["q1", "q0", "q2"]))
+    with pytest.raises(ValueError, match="same number of samples"):
+        study_real.paired_pass_at_k(a, samples([1, 4, 1], n=4))
+
+
+def test_the_analysis_gives_each_runs_paired_pass_at_k_difference_and_the_interval_across_runs(tmp_path, monkeypatch):
+    runs = {}
+    for start in (0, 1):
+        start_passk = tmp_path / f"start{start}_passk.jsonl"
+        write_rows(start_passk, samples([0, 2, 8, 4]))
+        write_details(tmp_path / f"start{start}.jsonl", [1, 0])
+        runs[f"start{start}"] = {"greedy": str(tmp_path / f"start{start}.jsonl"), "passk": str(start_passk)}
+        for seed in (0, 1, 2):
+            for arm, counts in (("grpo", [seed, 2, 8, 4]), ("raft", [0, 2, 8, 4]), ("reinforce_rej", [0, 1, 8, 4])):
+                passk = tmp_path / f"s{start}{seed}{arm}_passk.jsonl"
+                write_rows(passk, samples(counts))
+                runs[f"start{start}_seed{seed}_{arm}"] = {
+                    "start": f"start{start}", "seed": seed, "arm": arm, "passk": str(passk),
+                    "greedy": runs[f"start{start}"]["greedy"], "greedy_half": runs[f"start{start}"]["greedy"]}
+    args = SimpleNamespace(steps=80, starts=[0, 1], seeds=[0, 1, 2], name=str(tmp_path / "study"))
+    os.makedirs(args.name)
+    monkeypatch.setattr(study_real, "study_dir", lambda a: a.name)
+    paired = study_real.analyse(runs, args)["pass_at_k_paired"]
+    grpo_start = paired["grpo - start"]
+    assert list(grpo_start) == [str(k) for k in range(1, 9)]
+    # pass@1: seed s has s of 8 right on the one problem the start never gets: 100 * s/8 / 4 problems
+    assert grpo_start["1"]["per_run"] == [0.0, 3.12, 6.25, 0.0, 3.12, 6.25] and grpo_start["1"]["mean"] == 3.12
+    assert grpo_start["1"]["interval"] == [0.83, 5.42]  # 90%: 3.125 +- t(5) 2.015 x standard error 1.141
+    assert grpo_start["8"]["per_run"] == [0.0, 25.0, 25.0, 0.0, 25.0, 25.0]  # reached at all in 8: a quarter more
+    assert paired["grpo - raft"]["1"] == grpo_start["1"]  # RAFT is the start here, run for run
+    assert paired["raft - start"]["4"]["per_run"] == [0.0] * 6 and paired["raft - start"]["4"]["interval"] == [0, 0]
+    assert paired["reinforce_rej - start"]["1"]["mean"] == -3.12  # one of 8 fewer on 1 of 4 problems
+
+
+def write_rows(path, rows):
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
 @pytest.mark.parametrize("flags, refusal", [(["--steps", "3"], "give an even number"),
                                             (["--analyse_only", "--name", "test_study_none"], "no run of the study"),
                                             (["--dry_run", "--analyse_only"], "pick one")])

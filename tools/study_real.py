@@ -7,14 +7,16 @@ answers-only problems, SmolLM2-135M-Instruct, two starts x three seeds, and the 
 
 For each start (tools/warm_start.py on the first 300 worked solutions, --start_seed 0 and 1, cached), each seed
 and each arm, grpo_vllm_one.py trains --steps steps (80) on the other 19,700 problems' final answers with the
-recipe (simple_grpo/run/smollm2_recipe.py) on the correctness reward alone, saving step --steps/2 and --steps;
+recipe (tools/smollm2_recipe.py) on the correctness reward alone, saving step --steps/2 and --steps;
 both and the start are evaluated greedily on the 500 test problems, and step --steps and the start by pass@k
 (8 samples at the training temperature on the first 200). A run, an evaluation, a start whose files exist is not
 done again: the study goes on where it stopped. Everything lands in runs/study50/ (runs/study50/report.json at the end).
 
 The verdict (pre-registered): D = GRPO - RAFT at step --steps, greedy, in points, one per run; the mean of the
 runs' D with its 90% interval across runs (Student's t); "equivalent" inside +-3 points, "GRPO ahead" above 0,
-"RAFT ahead" below 0, else "undecided". The arms:
+"RAFT ahead" below 0, else "undecided". pass@k (k = 1..8, step --steps and the starts) is compared as registered:
+paired per problem within each run, then the runs' mean with the same 90% interval; the plot's curves are pooled
+means, a description with no interval. The arms:
   grpo           --advantage_estimator grpo --scale_rewards group
   raft           --advantage_estimator raft (the correct completions, advantage 1)
   reinforce_rej  --advantage_estimator grpo --scale_rewards none (r - mean(r); all-alike groups dropped)
@@ -28,7 +30,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from simple_grpo.evaluation import (details_accuracy, equivalence_verdict, interval_across,  # noqa: E402
-                                    pass_at_k_curve, read_details)
+                                    pass_at_k, pass_at_k_curve, read_details)
 from simple_grpo.run.launch import ROOT, cached_evaluate, child_env, run_child, smollm2_warm_start  # noqa: E402
 from simple_grpo.run.smollm2_recipe import (EVAL_FLAGS, FEW_START_FLAGS, SYSTEM_PROMPT, TRAIN_FLAGS,  # noqa: E402
                                             write_answers_only)
@@ -119,23 +121,70 @@ def run_study(args, env):
 
 
 @functools.lru_cache(maxsize=None)
+def details(path):
+    """A details file's rows, read once: the analysis asks for a start's or a run's file in several pairs."""
+    return read_details(path)
+
+
 def accuracy(path):
-    """A details file's accuracy, read once: the analysis asks for a start's or a run's file in several pairs."""
-    return details_accuracy(read_details(path))
+    return details_accuracy(details(path))
+
+
+def files_by_run(runs, key="greedy"):
+    """[{model: details file}], one per (start, seed) in order: the run's arms at the evaluation `key` names
+    (greedy, greedy_half or passk) and, as "start", its own start's evaluation of the same kind (greedy for
+    greedy_half)."""
+    start_key = "passk" if key == "passk" else "greedy"
+    starts = {name: r[start_key] for name, r in runs.items() if "arm" not in r and start_key in r}
+    pairs = {}
+    for r in runs.values():
+        if "arm" in r:
+            files = pairs.setdefault((r["start"], r["seed"]), {})
+            files[r["arm"]] = r[key]
+            if r["start"] in starts:
+                files["start"] = starts[r["start"]]
+    return [files for _, files in sorted(pairs.items())]
 
 
 def difference(runs, a, b, key="greedy"):
     """Arm a - arm b in points, one per (start, seed): the same problems, so each run's difference is paired.
     b = "start" is the run's own start (its greedy evaluation, whichever checkpoint `key` names for the arm)."""
-    starts = {name: accuracy(r["greedy"]) for name, r in runs.items() if "arm" not in r and "greedy" in r}
-    pairs = {}
-    for r in runs.values():
-        if "arm" in r:
-            arms = pairs.setdefault((r["start"], r["seed"]), {})
-            arms[r["arm"]] = accuracy(r[key])
-            if r["start"] in starts:
-                arms["start"] = starts[r["start"]]
-    return [100 * (arms[a] - arms[b]) for _, arms in sorted(pairs.items()) if a in arms and b in arms]
+    return [100 * (accuracy(f[a]) - accuracy(f[b])) for f in files_by_run(runs, key) if a in f and b in f]
+
+
+def paired_pass_at_k(rows_a, rows_b, key="correctness"):
+    """{k: pass@k of a - pass@k of b, in points} for k = 1 .. the samples per problem: the difference problem by
+    problem (the same problems in the same order, each sampled as often in both), then its mean over problems."""
+    if [r["question"] for r in rows_a] != [r["question"] for r in rows_b]:
+        raise ValueError("pass@k paired per problem needs two evaluations of the same problems in the same order")
+    n = {len(r["scores"]) for r in rows_a + rows_b}
+    if len(n) != 1:
+        raise ValueError(f"pass@k paired per problem needs the same number of samples per problem, got {sorted(n)}")
+    n = n.pop()
+    def correct(row):
+        return sum(bool(s[key]) for s in row["scores"])
+    return {k: 100 * sum(pass_at_k(n, correct(a), k) - pass_at_k(n, correct(b), k)
+                         for a, b in zip(rows_a, rows_b)) / len(rows_a)
+            for k in range(1, n + 1)}
+
+
+def pass_at_k_difference(runs, a, b):
+    """Model a - model b in pass@k points at step --steps, one curve {k: points} per (start, seed): the
+    pre-registered pass@k measure, paired per problem within each run (paired_pass_at_k)."""
+    return [paired_pass_at_k(details(f[a]), details(f[b])) for f in files_by_run(runs, "passk") if a in f and b in f]
+
+
+def across_runs(diffs, names=None):
+    """One comparison's per-run differences a - b, with their mean and COVERAGE interval across runs (Student's
+    t) where there are 2 runs or more; names=(a, b): and the pre-registered rule's verdict on that interval."""
+    entry = {"runs": len(diffs), "per_run": [round(d, 2) for d in diffs]}
+    if len(diffs) >= 2:
+        mean, low, high = interval_across(diffs, COVERAGE)
+        entry.update(mean=round(mean, 2), interval=[round(low, 2), round(high, 2)])
+        if names:
+            entry["verdict"] = equivalence_verdict(low, high, MARGIN).replace("A ahead", f"{names[0]} ahead") \
+                .replace("B ahead", f"{names[1]} ahead")
+    return entry
 
 
 def entries_of(runs, label):
@@ -145,18 +194,15 @@ def entries_of(runs, label):
 
 def analyse(runs, args):
     """The pre-registered verdict and the secondary figures, as a dict (report.json), and the pass@k plot."""
-    report = {"steps": args.steps, "margin_points": MARGIN, "coverage": COVERAGE, "comparisons": {}}
-    for a, b in (("grpo", "raft"), ("reinforce_rej", "raft"), ("grpo", "reinforce_rej"),
-                 *((arm, "start") for arm in ARMS)):
+    report = {"steps": args.steps, "margin_points": MARGIN, "coverage": COVERAGE, "comparisons": {},
+              "pass_at_k_paired": {}}
+    pairs = (("grpo", "raft"), ("reinforce_rej", "raft"), ("grpo", "reinforce_rej"), *((arm, "start") for arm in ARMS))
+    for a, b in pairs:
         for key in ("greedy", "greedy_half"):
-            diffs = difference(runs, a, b, key)
-            entry = {"runs": len(diffs), "per_run": [round(d, 2) for d in diffs]}
-            if len(diffs) >= 2:
-                mean, low, high = interval_across(diffs, COVERAGE)
-                verdict = equivalence_verdict(low, high, MARGIN).replace("A ahead", f"{a} ahead") \
-                    .replace("B ahead", f"{b} ahead")
-                entry.update(mean=round(mean, 2), interval=[round(low, 2), round(high, 2)], verdict=verdict)
-            report["comparisons"][f"{a} - {b} ({key})"] = entry
+            report["comparisons"][f"{a} - {b} ({key})"] = across_runs(difference(runs, a, b, key), names=(a, b))
+        curves = pass_at_k_difference(runs, a, b)  # the registered pass@k analysis: one paired curve per run
+        if curves:
+            report["pass_at_k_paired"][f"{a} - {b}"] = {str(k): across_runs([c[k] for c in curves]) for k in curves[0]}
     report["accuracy"] = {}  # each model's greedy accuracy, the mean over its runs (the starts': over the starts)
     for label in ("start", *ARMS):
         for key in ("greedy", "greedy_half") if label in ARMS else ("greedy",):
@@ -166,9 +212,9 @@ def analyse(runs, args):
     primary = report["comparisons"]["grpo - raft (greedy)"]
     report["verdict"] = primary.get("verdict", "undecided: fewer than 2 runs")
     report["complete"] = primary["runs"] == len(args.starts) * len(args.seeds)
-    curves = {}
+    curves = {}  # pooled: each model's mean curve over its runs, a description with no interval (the plot)
     for label in ("start", *ARMS):
-        per_file = [pass_at_k_curve(read_details(r["passk"])) for r in entries_of(runs, label)]
+        per_file = [pass_at_k_curve(details(r["passk"])) for r in entries_of(runs, label)]
         if per_file:
             curves[label] = {k: sum(c[k] for c in per_file) / len(per_file) for k in per_file[0]}
     report["pass_at_k"] = {label: {str(k): round(v, 4) for k, v in c.items()} for label, c in curves.items()}
@@ -229,7 +275,12 @@ def main():
     for name, value in report["accuracy"].items():
         print(f"{name:<36} {value:.3f}  (greedy accuracy, mean over its runs)")
     for label, curve in report["pass_at_k"].items():
-        print(f"pass@k {label:<29} " + " ".join(f"{k}:{v:.3f}" for k, v in curve.items()))
+        print(f"pass@k {label:<29} " + " ".join(f"{k}:{v:.3f}" for k, v in curve.items()) + "  (pooled mean)")
+    for name, by_k in report["pass_at_k_paired"].items():  # the registered analysis, k by k
+        for k, entry in by_k.items():
+            shown = f"{entry['mean']:+.1f} [{entry['interval'][0]:+.1f}, {entry['interval'][1]:+.1f}]" \
+                if "mean" in entry else "-"
+            print(f"pass@{k} {name:<29} {shown:<22} points, paired per problem; per run {entry['per_run']}")
     print(json.dumps({"verdict": report["verdict"], "complete": report["complete"]}))
 
 
