@@ -8,7 +8,7 @@ grpo_vllm_one.py, ref_server.py), grouped by the part of the three-process pictu
     run/         the run directory and checkpoints, metrics, completions log, report, doctor, pre-flight, disk guard
 
 and, shared by all: flags.py (dataclasses as command lines), protocol.py (the wire format), devices.py
-(which device each process uses), rollouts.py (groups and advantages), evaluation.py (rates and completions).
+(which device each process uses), rollouts.py (rewards, kept groups, the batch), evaluation.py (rates and completions).
 Imports go down: the scripts import this package, it imports grpo_math.py and triton_loss/, never a script;
 the generation side and the trainer side never import each other (tests/test_layering.py).
 """

@@ -1,5 +1,6 @@
-"""From sampled completions to trainable groups: rewards, group-relative advantages, the dropping of
-groups with no signal, what a batch of rollouts says for the log, and the padded batch the update takes.
+"""From sampled completions to trainable groups: rewards, the dropping of groups whose advantages
+(grpo_math.group_advantages) are all 0, what a batch of rollouts says for the log, and the padded batch the
+update takes.
 
 Shapes: Q prompts, G completions each (Q*G rows, group after group), P prompt and C completion tokens.
 """
