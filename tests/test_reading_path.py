@@ -1,70 +1,91 @@
-"""The guide's reading path for one default step of grpo_train.py is computed from the code, so it cannot go stale."""
+"""The guide's reading path is one default step of grpo_train.py, traced (tools/reading_path.py), and counted from
+the code as it is: the guide's copy is checked against it, and a slow test traces the step again."""
+import json
 import os
 import re
+import tempfile
 
 import pytest
 
 from tools import reading_path
-from tools.reading_path import ROOT, followed, table
+from tools.reading_path import RECORD, ROOT, count, table
 
 
-def test_the_guides_table_is_the_reading_path_computed_from_the_code():
+def recorded():
+    with open(RECORD) as f:
+        return json.load(f)
+
+
+def entered(file, name, *callers, globals=()):
+    """A trace's entry: file's function name, entered from callers [(file, name)] (none: the script's top)."""
+    return {"file": file, "name": name, "callers": [list(c) for c in callers] or [[]], "globals": list(globals)}
+
+
+def trace(*entries, fields=()):
+    return {"trainer": {"entered": list(entries), "fields": [list(f) for f in fields]},
+            "server": {"entered": [], "fields": []}}
+
+
+def test_the_guides_table_is_the_traced_step_counted_from_the_code_as_it_is():
     guide = open(os.path.join(ROOT, "docs", "guide.md")).read()
     copy = re.search(r"<!-- reading-path: python tools/reading_path.py -->\n(.*?)\n<!-- /reading-path -->", guide, re.S)
     assert copy, "docs/guide.md has no reading-path block"
-    assert copy.group(1) == table(), "docs/guide.md's reading path is stale: paste `python tools/reading_path.py`"
+    assert copy.group(1) == table(recorded()), \
+        "docs/guide.md's reading path is stale: paste `python tools/reading_path.py`"
 
 
-def test_a_functions_calls_into_its_own_file_are_followed_and_counted():
-    rows = {path: dict(functions or []) for path, functions, *_ in reading_path.reading_path()}
-    assert "per_token_loss" in rows["grpo_math.py"] and "kl_estimate" in rows["grpo_math.py"]  # grpo_loss calls them
-    assert "grad_norm" in rows["simple_grpo/trainer/update.py"]  # optimizer_step calls it
+def test_a_function_entered_counts_its_whole_span():
+    rows, _ = count(trace(entered("grpo_math.py", "grpo_objective")))
+    node = reading_path.definitions("grpo_math.py")[0]["grpo_objective"]
+    assert rows["grpo_math.py"]["functions"] == {"grpo_objective": node.end_lineno - node.lineno + 1}
+    assert rows["grpo_math.py"]["lines"] == node.end_lineno - node.lineno + 1
 
 
-def test_a_call_only_another_option_makes_is_not_counted():
-    rows = {path: dict(functions or []) for path, functions, *_ in reading_path.reading_path()}
-    assert "check_lora" not in rows["simple_grpo/trainer/config.py"]  # check_options calls it with --use_peft only
-    assert "check_lora" in reading_path.table()  # named as not run
+def test_a_module_constant_read_is_counted_where_it_is_assigned_through_imports():
+    rows, _ = count(trace(entered("simple_grpo/trainer/config.py", "default_ref_url", globals=["DEFAULT_REF_URL"])))
+    assert "DEFAULT_REF_URL" in rows["simple_grpo/protocol.py"]["constants"]  # imported from there
+    assert rows["simple_grpo/protocol.py"]["lines"] == 1
 
 
-def test_the_path_covers_scoring_the_reference_and_the_defaults():
-    rows = {path: dict(functions or []) for path, functions, *_ in reading_path.reading_path()}
-    assert "score" in rows["simple_grpo/task/rewards.py"] and "extract_answer" in rows["simple_grpo/task/rewards.py"]
-    assert "sequence_logps" in rows["simple_grpo/logprobs.py"]  # what the server computes, followed from its entry
-    defaults = rows["simple_grpo/trainer/config.py"]
-    assert "default_lr" in defaults and "default_ref_url" in defaults
+def test_a_config_field_read_counts_its_declaration_unless_left_out_code_read_it():
+    fields = [("simple_grpo/trainer/config.py", "TrainerConfig", "beta", "grpo_train.py", "main"),
+              ("simple_grpo/trainer/config.py", "TrainerConfig", "save_every", "simple_grpo/run/checkpoints.py", "x")]
+    rows, _ = count(trace(entered("grpo_train.py", "main"), fields=fields))
+    assert rows["simple_grpo/trainer/config.py"]["fields"] == {"beta": 1}
 
 
-def test_the_careful_read_is_at_most_12_files_and_about_800_lines():
-    rows = reading_path.reading_path()
-    assert len(rows) <= 12 and sum(row[3] for row in rows) <= 810  # issue 51: at most 12 files, ~800 lines
+def test_what_only_left_out_code_calls_is_left_out_and_named_with_why():
+    checks = ("simple_grpo/trainer/config.py", "check_values")
+    rows, left_out = count(trace(entered(*checks), entered("grpo_math.py", "group_advantages", checks),
+                                 entered("grpo_math.py", "grpo_loss", checks, ("grpo_train.py", "main")),
+                                 entered("grpo_train.py", "main")))
+    assert "group_advantages" not in rows["grpo_math.py"]["functions"]  # only check_values called it
+    assert "grpo_loss" in rows["grpo_math.py"]["functions"]  # main called it too
+    assert ("simple_grpo/trainer/config.py:check_values", "refuses bad values, sets nothing") in left_out
+    assert "- `simple_grpo/trainer/config.py:check_values`: refuses bad values, sets nothing" in table(
+        trace(entered(*checks)))
 
 
-def test_a_method_that_does_not_run_is_subtracted_from_its_class():
-    import ast
-    source = open(os.path.join(ROOT, "simple_grpo/logprobs.py")).read()
-    cls = reading_path.definitions(ast.parse(source))["ChunkedLogProbs"]
-    backward = next(node for node in cls.body if getattr(node, "name", None) == "backward")
-    rows = {path: dict(functions or []) for path, functions, *_ in reading_path.reading_path()}
-    assert rows["simple_grpo/logprobs.py"]["ChunkedLogProbs"] == reading_path.span(cls) - reading_path.span(backward)
-    assert "ChunkedLogProbs.backward" in reading_path.table()  # named as not run
+def test_a_closure_is_read_with_the_function_around_it():
+    route = entered("ref_server.py", "make_app.<locals>.get", ("simple_grpo/reference/http_server.py", "serve"))
+    rows, _ = count(trace(entered("ref_server.py", "make_app"), route,
+                          entered("ref_server.py", "Finished.get", ("ref_server.py", "make_app.<locals>.get")),
+                          entered("simple_grpo/reference/http_server.py", "serve")))
+    assert "Finished.get" in rows["ref_server.py"]["functions"]  # the route's call, though HTTP code called the route
 
 
-def test_plumbing_read_by_its_docstring_counts_the_docstring_and_not_its_calls():
-    rows = {path: dict(functions or []) for path, functions, *_ in reading_path.reading_path()}
-    protocol = rows["simple_grpo/protocol.py"]
-    assert protocol["take_group"] < 10  # signature and docstring, not the polling loop
-    assert "ref_request" not in protocol and "decode" not in protocol  # called only from the loops not read
-    assert "`take_group` (" in table() and "its docstring; polls the server" in table()
+def test_a_recorded_function_that_is_gone_is_named():
+    with pytest.raises(SystemExit, match="grpo_math.py has no no_such_function now"):
+        count(trace(entered("grpo_math.py", "no_such_function")))
 
 
-def test_plumbing_without_a_docstring_is_refused():
-    import ast
-    defs = reading_path.definitions(ast.parse("def plumbing():\n    return 1\n"))
-    with pytest.raises(SystemExit, match="plumbing is read by its docstring"):
-        reading_path.docstring_span(defs["plumbing"])
-
-
-def test_a_function_that_is_gone_is_named():
-    with pytest.raises(SystemExit, match="grpo_math.py has no no_such_function"):
-        followed(["no_such_function"], {}, "grpo_math.py")
+@pytest.mark.slow
+def test_tracing_the_default_step_again_gives_the_recorded_trace():
+    with tempfile.TemporaryDirectory() as workdir:
+        fresh = reading_path.trace_default_step(workdir)
+    fresh = json.loads(json.dumps(fresh))  # as the record stores it
+    for process in ("trainer", "server"):
+        names = {(e["file"], e["name"]) for e in fresh[process]["entered"]}
+        assert names == {(e["file"], e["name"]) for e in recorded()[process]["entered"]}, \
+            "the step runs other functions than tools/reading_path.json says: python tools/reading_path.py --record"
+    assert table(fresh) == table(recorded())
