@@ -95,7 +95,7 @@ def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
     llm = start_vllm(cfg, compile=cfg.gen_compile, max_seqs=cfg.batch_prompts * cfg.num_generations)
     channels.status.put(("ready", time.time() - t0))
     tokenizer = llm.get_tokenizer()
-    stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)
+    stop_ids = stop_token_ids(tokenizer, cfg.prompt_format, cfg.model)  # vLLM's stop set and the masks', one list
     check_options(cfg)  # this process loads the reward file too
     reward_weights, problems = parse_reward_spec(cfg.reward_funcs, cfg.reward_weights), load_data(cfg)
     rng, G = random.Random(cfg.seed + ranks[0] + 1000 * worker), cfg.num_generations  # each worker its own draws
@@ -208,7 +208,7 @@ def main(cfg: Config):
             dist.all_gather_object(run_ids, run_id)
             run_id = run_ids[rank - rank % every]
         run_dir, metrics_path, first_step, state = open_run(cfg, engine)
-        stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)
+        stop_ids = stop_token_ids(tokenizer, cfg.prompt_format, cfg.model)  # the worker's, for the masks
         doctor = RunDoctor(cfg, metrics_path) if rank == 0 else None  # plain-language warnings (run/doctor.py)
         progress = WorkerProgress(workers[0][1].status, cfg, doctor) if workers else None  # generation/progress.py
         tracker = Tracker(cfg, run_dir) if rank == 0 else None  # --report_to tensorboard/wandb

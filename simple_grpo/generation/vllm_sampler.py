@@ -8,6 +8,7 @@ import os
 import torch
 
 from simple_grpo.devices import vllm_memory_share
+from simple_grpo.task.problems import stop_token_ids
 
 
 CPU_BLOCK_SIZE = 32  # tokens per KV-cache block on a CPU (vLLM's CPU default: 128)
@@ -61,11 +62,15 @@ def stop_vllm(llm):
         torch.distributed.destroy_process_group()
 
 
-def sample(llm, prompts, cfg, stop_ids=()):
-    """G completions per prompt, each ending at its first stop token (or EOS): prompt rows [(P,)],
-    completion_ids (Q*G, C) right-padded with pad, and the sampler's per-token log-probs
-    sampler_logps (Q*G, C), group after group."""
+def sample(llm, prompts, cfg, stop_ids=None):
+    """G completions per prompt, each ending at its first stop token: prompt rows [(P,)], completion_ids
+    (Q*G, C) right-padded with pad, and the sampler's per-token log-probs sampler_logps (Q*G, C), group
+    after group. stop_ids: None is stop_token_ids for cfg.model, the set the trainers' masks use. vLLM adds
+    the tokenizer's EOS and the generation config's eos ids to any stop set; a completion it ends at an id
+    outside stop_ids would look cut off to the masks (its padded tail trained), so that stops the run."""
     from vllm import SamplingParams
+    if stop_ids is None:
+        stop_ids = stop_token_ids(llm.get_tokenizer(), cfg.prompt_format, cfg.model)
     params = SamplingParams(n=cfg.num_generations, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
                             min_tokens=cfg.min_new_tokens, stop_token_ids=list(stop_ids),
                             logprobs=0,  # just the sampled token's
@@ -73,6 +78,13 @@ def sample(llm, prompts, cfg, stop_ids=()):
     outputs = llm.generate(prompts, params, use_tqdm=False)
     pad = llm.get_tokenizer().pad_token_id
     completions = [c for out in outputs for c in out.outputs]
+    unknown = [c.token_ids[-1] for c in completions
+               if c.finish_reason == "stop" and c.token_ids and c.token_ids[-1] not in stop_ids]
+    if unknown:
+        raise RuntimeError(f"vLLM ended {len(unknown)} of {len(completions)} completions at token ids "
+                           f"{sorted(set(unknown))}, outside the stop set {list(stop_ids)} the trainer's masks use: "
+                           "their padded tails would be trained. Pass stop_token_ids(tokenizer, prompt_format, model) "
+                           "as stop_ids")
     C = max(len(c.token_ids) for c in completions)
     completion_ids = torch.full((len(completions), C), pad, dtype=torch.long)
     sampler_logps = torch.zeros(len(completions), C)

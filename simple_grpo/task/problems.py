@@ -143,21 +143,47 @@ def make_prompt(tokenizer, question, prompt_format="chat", system_prompt=SYSTEM_
     raise ValueError(f"unknown prompt_format {prompt_format!r}; use 'chat' or 'raw'")
 
 
-def stop_token_ids(tokenizer, prompt_format="chat"):
-    """The token ids that end a completion: the tokenizer's EOS, and under a chat template the
-    special token the template writes after an assistant turn (<|im_end|> for ChatML, <|eot_id|>
-    for Llama 3). A base model's EOS (Qwen2.5's <|endoftext|>) is not its chat template's turn
-    end: without both, a base model that closes its turn goes on writing, and the tokens after
-    the turn end are trained as if they were part of the answer."""
+def chat_turn_end_id(tokenizer):
+    """The special token the chat template writes after an assistant turn (<|im_end|> for ChatML, <|eot_id|>
+    for Llama 3), or None where the tokenizer has no template or the template ends a turn with ordinary text."""
+    if not tokenizer.chat_template:
+        return None
+    marker = "\u2063answer\u2063"  # text no template writes itself
+    turn = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}],
+                                         tokenize=False)
+    after = tokenizer(turn.split(marker, 1)[1], add_special_tokens=False)["input_ids"]
+    return after[0] if after and after[0] in tokenizer.all_special_ids else None
+
+
+def generation_eos_ids(model):
+    """The eos ids of the model's generation config (generation_config.json, else its config.json), as vLLM
+    reads them: vLLM stops at every one of them besides the stop ids it is given. [] where the model has none."""
+    from transformers import AutoConfig, GenerationConfig
+    try:
+        config = GenerationConfig.from_pretrained(model)
+    except OSError:  # no generation_config.json: vLLM builds one from config.json
+        try:
+            config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model))
+        except OSError:
+            return []
+    eos = config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def stop_token_ids(tokenizer, prompt_format="chat", model=None):
+    """The token ids that end a completion, for both samplers and every mask: the tokenizer's EOS, under a chat
+    template the turn end it writes (chat_turn_end_id), and the eos ids of the model's generation config
+    (model: its directory; None: the tokenizer's). A base model's EOS (Qwen2.5's <|endoftext|>) is not its
+    chat template's turn end: without both, a base model that closes its turn goes on writing, and the tokens
+    after the turn end are trained as if they were part of the answer. And vLLM also stops at the generation
+    config's ids (Qwen2.5-Instruct's lists <|im_end|> and <|endoftext|>): a completion ended at one the masks
+    did not know would look cut off, and its padded tail would be trained."""
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    if prompt_format == "chat" and tokenizer.chat_template:
-        marker = "\u2063answer\u2063"  # text no template writes itself
-        turn = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}],
-                                             tokenize=False)
-        after = tokenizer(turn.split(marker, 1)[1], add_special_tokens=False)["input_ids"]
-        if after and after[0] in tokenizer.all_special_ids and after[0] not in ids:
-            ids.append(after[0])
+    turn_end = chat_turn_end_id(tokenizer) if prompt_format == "chat" else None
+    for extra in [turn_end, *generation_eos_ids(model or tokenizer.name_or_path)]:
+        if extra is not None and extra not in ids:
+            ids.append(extra)
     if not ids:
-        raise ValueError("the tokenizer has no EOS token and its chat template no turn-end token: "
-                         "completions would never end")
+        raise ValueError("the tokenizer has no EOS token, its chat template no turn-end token and the model's "
+                         "generation config no eos_token_id: completions would never end")
     return ids

@@ -1,0 +1,118 @@
+"""One stop set: vLLM, transformers' generate and every mask agree on where a completion ends, for a model whose
+generation config lists eos ids its tokenizer does not call EOS (as Qwen2.5-Instruct's lists <|endoftext|>
+beside <|im_end|>, and the random-weight bench models Qwen's 151643). vLLM stops at those ids whatever stop
+ids it is given; a mask that did not know them ran over the padding, trained the padded tail with the
+completion's advantage, and compared it with sampler log-probs of 0 (the 12-17 nat gaps of the first 7B run).
+
+The tiny model, copied with a generation config whose eos ids are [EOS, </think>]: every completion of the
+warm-started tiny model writes </think>, so each one ends there, long before --max_new_tokens."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grpo_math import completion_mask, is_truncated
+from grpo_vllm_one import Config
+from simple_grpo.generation.hf_sampler import generate
+from simple_grpo.generation.vllm_sampler import sample, start_vllm, stop_vllm
+from simple_grpo.logprobs import sequence_logps
+from simple_grpo.task.problems import chat_prompt, load_jsonl, stop_token_ids
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "models", "tiny-math")
+DATA = os.path.join(ROOT, "data", "toy_math", "train.jsonl")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny model whose generation_config.json also ends a completion at </think>, an id that is not its
+    tokenizer's EOS."""
+    out = tmp_path_factory.mktemp("extra_eos")
+    for name in os.listdir(TINY):
+        shutil.copy(os.path.join(TINY, name), out)
+    think_end = AutoTokenizer.from_pretrained(TINY).convert_tokens_to_ids("</think>")
+    path = out / "generation_config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "eos_token_id": [config["eos_token_id"], think_end]}))
+    return str(out)
+
+
+def config(model_dir, dtype):
+    return Config(model=model_dir, dataset=DATA, dtype=dtype, batch_prompts=4, num_generations=4, max_new_tokens=48)
+
+
+def prompts(tokenizer, n=4):
+    return [chat_prompt(tokenizer, p["question"]) for p in load_jsonl(DATA)[:n]]
+
+
+def ends_where_the_mask_ends(completion_ids, mask, stop_ids, pad_id):
+    """Each completion's mask ends at its stop token (nothing but padding after it) or runs to the length limit
+    with no stop token (cut off); returns how many ended at a stop id that is not the tokenizer's EOS."""
+    C, at_extra = completion_ids.size(1), 0
+    for row, truncated, n in zip(completion_ids, is_truncated(completion_ids, stop_ids), mask.sum(1).long()):
+        if truncated:
+            assert n == C
+            continue
+        assert row[n - 1].item() in stop_ids and (row[n:] == pad_id).all(), row.tolist()
+        at_extra += row[n - 1].item() != stop_ids[0]
+    return at_extra
+
+
+def test_the_stop_set_holds_the_generation_configs_eos_ids(model_dir):
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    assert stop_token_ids(tok, "chat", model_dir) == [tok.eos_token_id, tok.convert_tokens_to_ids("</think>")]
+    assert stop_token_ids(tok) == stop_token_ids(tok, "chat", model_dir)  # the tokenizer's own directory
+    assert stop_token_ids(AutoTokenizer.from_pretrained(TINY)) == [tok.eos_token_id]  # the tiny default: EOS alone
+
+
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])  # ~25 s each
+def test_vllm_completions_end_where_the_masks_end_them_and_match_the_trainer(model_dir, dtype):
+    """Tails masked, lengths right, and the sampler's log-probs those of the trainer within the precision's
+    noise; stopping at the tokenizer's ids alone, vLLM still ends completions at </think>, and sample stops the
+    run naming it."""
+    cfg = config(model_dir, dtype)
+    llm = start_vllm(cfg, max_seqs=16)
+    try:
+        tok = llm.get_tokenizer()
+        think_end = tok.convert_tokens_to_ids("</think>")
+        stop_ids = stop_token_ids(tok, cfg.prompt_format, cfg.model)
+        prompt_rows, completion_ids, sampler_logps = sample(llm, prompts(tok), cfg)  # stop_ids: cfg.model's
+        with pytest.raises(RuntimeError, match=rf"outside the stop set \[{tok.eos_token_id}\].*{think_end}|"
+                                               rf"{think_end}.*outside the stop set \[{tok.eos_token_id}\]"):
+            sample(llm, prompts(tok), cfg, stop_ids=[tok.eos_token_id])
+    finally:
+        stop_vllm(llm)
+
+    mask = completion_mask(completion_ids, stop_ids)
+    assert ends_where_the_mask_ends(completion_ids, mask, stop_ids, tok.pad_token_id) > 0  # some at </think>
+
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    P = max(r.numel() for r in prompt_rows)
+    prompt_ids = torch.stack([torch.cat([torch.full((P - r.numel(),), tok.pad_token_id), r]) for r in prompt_rows])
+    prompt_mask = torch.stack([(torch.arange(P) >= P - r.numel()).long() for r in prompt_rows])
+    with torch.no_grad():
+        logps = sequence_logps(policy, prompt_ids, prompt_mask, completion_ids, cfg.temperature).float()
+    gap = ((logps - sampler_logps).abs() * mask)
+    # the mask the trainer made before: EOS and the turn end alone, past </think> over the padding, where vLLM's
+    # log-probs are 0 and the trainer's those of padding tokens
+    old_mask = completion_mask(completion_ids, stop_token_ids(AutoTokenizer.from_pretrained(TINY)))
+    old_gap = ((logps - sampler_logps).abs() * old_mask)
+    print(f"{dtype}: sampler gap mean {gap.sum().item() / mask.sum().item():.2e}, max {gap.max().item():.2e}; "
+          f"with the tokenizer's stop ids alone: mean {old_gap.sum().item() / old_mask.sum().item():.2e}, "
+          f"max {old_gap.max().item():.2e}")
+    assert gap.max().item() <= (1e-3 if dtype == "float32" else 0.1)
+    assert old_gap.max().item() > 1.0  # what the one stop set removes
+
+
+def test_transformers_generate_stops_at_the_same_ids(model_dir):
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    cfg = config(model_dir, "float32")
+    stop_ids = stop_token_ids(tok, cfg.prompt_format, cfg.model)
+    torch.manual_seed(0)
+    _, _, completion_ids = generate(model, tok, prompts(tok, 2), cfg, stop_ids)
+    mask = completion_mask(completion_ids, stop_ids)
+    assert ends_where_the_mask_ends(completion_ids, mask, stop_ids, tok.pad_token_id) > 0
