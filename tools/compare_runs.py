@@ -4,8 +4,10 @@
 
 For a change that should alter no number (a refactor, a move): run the same seed before and after, then
 compare. Timings (keys ending in _s) and rates (_per_s) are left out, and so is a count that depends on
-timing: how many completions grpo_vllm_one's worker had generated when a step was logged ("generated"). Prints, per key,
-the steps compared and the largest difference; the last line is JSON {"same": bool, "steps": n, ...}.
+timing: how many completions grpo_vllm_one's worker had generated when a step was logged ("generated"). The first
+run's figures are compared: a figure only the second run logs (a new diagnostic) is listed, not compared; one the
+second run lost differs. Prints, per key, the steps compared and the first difference; the last line is JSON
+{"same": bool, "steps": n, ...}.
 Exits 1 when a figure differs or the runs logged different steps.
 """
 import argparse
@@ -44,7 +46,12 @@ def main():
     if sorted(a) != sorted(b):
         print(f"the runs logged different steps: {len(a)} in {args.run_a}, {len(b)} in {args.run_b}")
     steps = sorted(set(a) & set(b))
-    keys = sorted({k for s in steps for k in (*a[s], *b[s]) if compared(k)})
+    keys_a = {k for s in steps for k in a[s] if compared(k)}
+    keys_b = {k for s in steps for k in b[s] if compared(k)}
+    added, lost = sorted(keys_b - keys_a), sorted(keys_a - keys_b)
+    if added:  # a figure the second run logs and the first did not: a new diagnostic, nothing to compare it with
+        print(f"logged only by {args.run_b} (not compared): {', '.join(added)}")
+    keys = sorted(keys_a)  # a figure the second run lost differs at every step
     first_difference, differing = None, {}
     for key in keys:
         diffs = [(s, a[s].get(key), b[s].get(key)) for s in steps if differs(a[s].get(key), b[s].get(key))]
@@ -55,7 +62,7 @@ def main():
               + (f"; first differs at step {diffs[0][0]}: {diffs[0][1]} vs {diffs[0][2]}" if diffs else ""))
     same = not differing and sorted(a) == sorted(b)
     print(json.dumps({"same": same, "steps": len(steps), "keys": len(keys), "differing_keys": sorted(differing),
-                      "first_differing_step": first_difference}))
+                      "first_differing_step": first_difference, "added_keys": added, "lost_keys": lost}))
     sys.exit(0 if same else 1)
 
 
