@@ -1,8 +1,10 @@
 """notebooks/one_grpo_step.ipynb, the lesson of one GRPO step, runs cell by cell in a fresh kernel: its own
-asserts check each claim of its prose (grpo_loss equals grpo_objective, the first step's loss is 0 up to
-rounding, Adam moves a weight by about lr, one step moves each completion's log-probability with its
-advantage, ...). Its executed form, notebooks/one_grpo_step_executed.ipynb (tools/run_notebook.py), is what a
-reader on GitHub sees: it must match a fresh run. A few seconds of compute, ~20 s with the kernel's start."""
+asserts check each claim of its prose (the server's function gives the reference log-probs computed there, the
+trainers drop a group whose rewards are all equal, grpo_loss equals grpo_objective, the first step's loss is 0
+up to rounding, Adam moves a weight by about lr, one step moves each completion's log-probability with its
+advantage, a clipped token's gradient is the KL term's alone, ...). Its executed form,
+notebooks/one_grpo_step_executed.ipynb (tools/run_notebook.py), is what a reader on GitHub sees: it must match a
+fresh run. A few seconds of compute, ~25 s with the kernel's start."""
 import pytest
 import nbformat
 
