@@ -3,9 +3,12 @@ generation config lists eos ids its tokenizer does not call EOS (as Qwen2.5-Inst
 beside <|im_end|>, and the random-weight bench models Qwen's 151643). vLLM stops at those ids whatever stop
 ids it is given; a mask that did not know them ran over the padding, trained the padded tail with the
 completion's advantage, and compared it with sampler log-probs of 0 (the 12-17 nat gaps of the first 7B run).
+The run doctor's mismatch rule names what it sees on the same batch: quiet when healthy, loud when the weights
+never reached vLLM or the stop sets disagree.
 
 The tiny model, copied with a generation config whose eos ids are [EOS, </think>]: every completion of the
 warm-started tiny model writes </think>, so each one ends there, long before --max_new_tokens."""
+import dataclasses
 import json
 import os
 import shutil
@@ -14,11 +17,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo_math import completion_mask, is_truncated
+from grpo_math import completion_mask, grpo_loss, is_truncated
 from grpo_vllm_one import Config
 from simple_grpo.generation.hf_sampler import generate
 from simple_grpo.generation.vllm_sampler import sample, start_vllm, stop_vllm
 from simple_grpo.logprobs import sequence_logps
+from simple_grpo.run.doctor import RunDoctor, sampler_gap_details
 from simple_grpo.task.problems import chat_prompt, load_jsonl, stop_token_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,33 +72,53 @@ def test_the_stop_set_holds_the_generation_configs_eos_ids(model_dir):
     assert stop_token_ids(AutoTokenizer.from_pretrained(TINY)) == [tok.eos_token_id]  # the tiny default: EOS alone
 
 
-@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])  # ~25 s each
-def test_vllm_completions_end_where_the_masks_end_them_and_match_the_trainer(model_dir, dtype):
-    """Tails masked, lengths right, and the sampler's log-probs those of the trainer within the precision's
-    noise; stopping at the tokenizer's ids alone, vLLM still ends completions at </think>, and sample stops the
-    run naming it."""
+def sampled(model_dir, dtype):
+    """vLLM's completions of 4 prompts x 4 with the whole stop set, and what sample says when given the tokenizer's
+    EOS alone: (cfg, tokenizer, prompt_rows, completion_ids, sampler_logps, the refusal)."""
     cfg = config(model_dir, dtype)
     llm = start_vllm(cfg, max_seqs=16)
     try:
         tok = llm.get_tokenizer()
-        think_end = tok.convert_tokens_to_ids("</think>")
-        stop_ids = stop_token_ids(tok, cfg.prompt_format, cfg.model)
+        torch.manual_seed(0)
         prompt_rows, completion_ids, sampler_logps = sample(llm, prompts(tok), cfg)  # stop_ids: cfg.model's
-        with pytest.raises(RuntimeError, match=rf"outside the stop set \[{tok.eos_token_id}\].*{think_end}|"
-                                               rf"{think_end}.*outside the stop set \[{tok.eos_token_id}\]"):
+        with pytest.raises(RuntimeError) as refused:
             sample(llm, prompts(tok), cfg, stop_ids=[tok.eos_token_id])
     finally:
         stop_vllm(llm)
+    return cfg, tok, prompt_rows, completion_ids, sampler_logps, str(refused.value)
 
-    mask = completion_mask(completion_ids, stop_ids)
-    assert ends_where_the_mask_ends(completion_ids, mask, stop_ids, tok.pad_token_id) > 0  # some at </think>
 
-    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+@pytest.fixture(scope="module")
+def bf16(model_dir):
+    return sampled(model_dir, "bfloat16")
+
+
+def trainer_logps(cfg, prompt_rows, completion_ids, pad_id, noise=0.0):
+    """The trainer's log-probs of vLLM's completions (left-padded prompts, the shared-prompt forward), with its
+    weights moved by `noise` (x N(0, 1)) when given: weights that never reached vLLM."""
+    policy = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, cfg.dtype)).eval()
+    if noise:
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(noise * torch.randn_like(p))
     P = max(r.numel() for r in prompt_rows)
-    prompt_ids = torch.stack([torch.cat([torch.full((P - r.numel(),), tok.pad_token_id), r]) for r in prompt_rows])
+    prompt_ids = torch.stack([torch.cat([torch.full((P - r.numel(),), pad_id), r]) for r in prompt_rows])
     prompt_mask = torch.stack([(torch.arange(P) >= P - r.numel()).long() for r in prompt_rows])
     with torch.no_grad():
-        logps = sequence_logps(policy, prompt_ids, prompt_mask, completion_ids, cfg.temperature).float()
+        return sequence_logps(policy, prompt_ids, prompt_mask, completion_ids, cfg.temperature).float()
+
+
+def check_vllm_against_the_masks(model_dir, dtype, batch):
+    """Tails masked, lengths right, and the sampler's log-probs those of the trainer within the precision's
+    noise; stopping at the tokenizer's EOS alone, vLLM still ends completions at </think>, and sample stops
+    the run naming it."""
+    cfg, tok, prompt_rows, completion_ids, sampler_logps, refusal = batch
+    think_end, stop_ids = tok.convert_tokens_to_ids("</think>"), stop_token_ids(tok, cfg.prompt_format, cfg.model)
+    assert f"at token ids [{think_end}], outside the stop set [{tok.eos_token_id}]" in refusal
+    mask = completion_mask(completion_ids, stop_ids)
+    assert ends_where_the_mask_ends(completion_ids, mask, stop_ids, tok.pad_token_id) > 0  # some at </think>
+    logps = trainer_logps(cfg, prompt_rows, completion_ids, tok.pad_token_id)
     gap = ((logps - sampler_logps).abs() * mask)
     # the mask the trainer made before: EOS and the turn end alone, past </think> over the padding, where vLLM's
     # log-probs are 0 and the trainer's those of padding tokens
@@ -105,6 +129,69 @@ def test_vllm_completions_end_where_the_masks_end_them_and_match_the_trainer(mod
           f"max {old_gap.max().item():.2e}")
     assert gap.max().item() <= (1e-3 if dtype == "float32" else 0.1)
     assert old_gap.max().item() > 1.0  # what the one stop set removes
+
+
+def test_vllm_completions_end_where_the_masks_end_them_and_match_the_trainer_in_bf16(model_dir, bf16):
+    check_vllm_against_the_masks(model_dir, "bfloat16", bf16)
+
+
+@pytest.mark.slow  # ~25 s: a vLLM start of its own
+def test_vllm_completions_end_where_the_masks_end_them_and_match_the_trainer_in_fp32(model_dir):
+    check_vllm_against_the_masks(model_dir, "float32", sampled(model_dir, "float32"))
+
+
+# ---------------------------------------------------------------------------- the run doctor's mismatch rule
+def doctor_verdict(tmp_path, cfg, completion_ids, mask, logps, sampler_logps, advantages):
+    """The record grpo_vllm_one logs for this batch (grpo_loss's gap figures with --tis_cap, grpo_update's
+    sampler_gap_details) and what the run doctor says of it: the mismatch message, or None."""
+    _, stats = grpo_loss(logps, logps, None, advantages, mask, beta=0.0, sampler_logps=sampler_logps)
+    record = {"step": 1, **stats}
+    for key, value in sampler_gap_details(completion_ids, mask, logps, sampler_logps).items():
+        record.setdefault(key, value)
+    doctor = RunDoctor(dataclasses.replace(cfg, doctor_window=1), str(tmp_path / "metrics.jsonl"))
+    doctor.step(record)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines() if (tmp_path / "metrics.jsonl").exists() else []
+    warnings = [json.loads(line) for line in lines]
+    assert [w["warning"] for w in warnings] in ([], ["mismatch"])
+    return record, warnings[0]["message"] if warnings else None
+
+
+def test_the_doctor_stays_quiet_on_a_healthy_bf16_batch(tmp_path, model_dir, bf16):
+    cfg, tok, prompt_rows, completion_ids, sampler_logps, _ = bf16
+    mask = completion_mask(completion_ids, stop_token_ids(tok, cfg.prompt_format, cfg.model))
+    logps = trainer_logps(cfg, prompt_rows, completion_ids, tok.pad_token_id)
+    record, message = doctor_verdict(tmp_path, cfg, completion_ids, mask, logps, sampler_logps,
+                                     torch.randn(completion_ids.size(0)))
+    assert message is None, message
+    assert record["sampler_gap_rows"] == record["sampler_gap_unreported"] == 0
+
+
+def test_the_doctor_names_weights_that_did_not_reach_vllm(tmp_path, model_dir, bf16):
+    cfg, tok, prompt_rows, completion_ids, sampler_logps, _ = bf16
+    mask = completion_mask(completion_ids, stop_token_ids(tok, cfg.prompt_format, cfg.model))
+    logps = trainer_logps(cfg, prompt_rows, completion_ids, tok.pad_token_id, noise=0.05)
+    record, message = doctor_verdict(tmp_path, cfg, completion_ids, mask, logps, sampler_logps,
+                                     torch.randn(completion_ids.size(0)))
+    print(message)
+    assert message is not None and record["sampler_gap_rows"] > 0 and record["sampler_gap_unreported"] == 0
+    assert f"this step {record['sampler_gap_rows']} completions hold a token off by more than 1 nat" in message
+    assert f"the largest at token id {record['sampler_gap_token']}" in message
+    assert "weights reach vLLM" in message and "stop-set" not in message
+
+
+def test_the_doctor_names_a_stop_set_disagreement(tmp_path, model_dir, bf16):
+    """The trainer's masks built from the tokenizer's EOS alone, vLLM's completions ended at </think> too: the
+    masks run over vLLM's padding, where it reported no log-prob."""
+    cfg, tok, prompt_rows, completion_ids, sampler_logps, _ = bf16
+    mask = completion_mask(completion_ids, [tok.eos_token_id])
+    logps = trainer_logps(cfg, prompt_rows, completion_ids, tok.pad_token_id)
+    record, message = doctor_verdict(tmp_path, cfg, completion_ids, mask, logps, sampler_logps,
+                                     torch.randn(completion_ids.size(0)))
+    print(message)
+    assert message is not None and record["sampler_gap_unreported"] > 0
+    assert record["sampler_gap_token"] == tok.pad_token_id and record["sampler_gap_sampler_logp"] == 0.0
+    assert f"{record['sampler_gap_unreported']} kept tokens have no vLLM log-prob" in message
+    assert "stop-set disagreement" in message and f"token id {tok.pad_token_id}" in message
 
 
 def test_transformers_generate_stops_at_the_same_ids(model_dir):

@@ -29,6 +29,27 @@ RULES = {
 }
 
 
+GAP_OUTLIER = 1.0  # nats: a token whose sampler and trainer log-probs differ by more is no precision noise
+# (bf16 on the tiny model: at most 0.06; a healthy 7B bf16 run, one version of policy lag: 0.32)
+
+
+def sampler_gap_details(completion_ids, loss_mask, trainer_logps, sampler_logps):
+    """What the mismatch rule reads, from one batch's kept tokens: the mean and largest gap per token, how many
+    completions hold a token whose log-probs differ by more than GAP_OUTLIER, the largest gap's token id,
+    position and both log-probs, and how many kept tokens vLLM reported no log-prob for (0.0, its padding
+    past the end of a completion) while the trainer gives them less than e^-GAP_OUTLIER: tokens vLLM never
+    sampled, so the trainer's mask runs past where vLLM stopped. (B, C) each."""
+    kept = loss_mask.bool()
+    gap = ((trainer_logps - sampler_logps).abs()).masked_fill(~kept, 0.0)
+    row, pos = divmod(int(gap.argmax()), gap.size(1))
+    unreported = kept & (sampler_logps == 0) & (trainer_logps < -GAP_OUTLIER)
+    return {"sampler_gap_mean": float(gap.sum() / kept.sum().clamp(min=1)), "sampler_gap_max": float(gap.max()),
+            "sampler_gap_rows": int((gap > GAP_OUTLIER).any(1).sum()), "sampler_gap_unreported": int(unreported.sum()),
+            "sampler_gap_token": int(completion_ids[row, pos]), "sampler_gap_pos": pos,
+            "sampler_gap_sampler_logp": float(sampler_logps[row, pos]),
+            "sampler_gap_trainer_logp": float(trainer_logps[row, pos])}
+
+
 def parse_stop_on(text):
     """--stop_on "no_signal,kl" -> {"no_signal", "kl"}; an unknown name is an error naming the known ones."""
     names = {name.strip() for name in text.split(",") if name.strip()}
@@ -120,12 +141,9 @@ class RunDoctor:
             "--max_new_tokens, or reward shorter answers; --mask_truncated_completions keeps them out of the loss")))
 
         gaps = [r["sampler_gap_mean"] for r in recent if "sampler_gap_mean" in r]
-        gap = mean(gaps)
-        stops.append(self.report("mismatch", bool(gaps) and gap > cfg.doctor_gap_max, step, lambda: (
-            f"vLLM's log-probs differ from the trainer's by {gap:.3g} per token on average over the last "
-            f"{len(gaps)} steps (largest {max(r['sampler_gap_max'] for r in recent if 'sampler_gap_max' in r):.3g}): "
-            "the sampler is not running the policy the trainer trains. Check that both use the same --dtype and "
-            "that weights reach vLLM (weights_load_s in metrics.jsonl); lower --max_policy_lag; keep --tis_cap on")))
+        gap, unreported = mean(gaps), record.get("sampler_gap_unreported", 0)
+        stops.append(self.report("mismatch", bool(gaps) and gap > cfg.doctor_gap_max or unreported > 0, step,
+                                 lambda: self.mismatch_message(record, gaps)))
 
         if is_number(record.get("ratio_mean", 1.0)):
             ratios = [r.get("ratio_mean", 1.0) for r in recent if is_number(r.get("ratio_mean", 1.0))]
@@ -136,6 +154,25 @@ class RunDoctor:
                 "from the one that sampled within a step, and the clip discards much of the gradient. Lower --lr or "
                 "--num_iterations; with vLLM, --max_policy_lag 0")))
         return next((stop for stop in stops if stop), None)
+
+    def mismatch_message(self, record, gaps):
+        """What the sampler and the trainer disagree on: the window's mean gap, this step's completions with an
+        outlier token and its largest gap (token id, vLLM's and the trainer's log-probs), and the likely cause."""
+        text = (f"vLLM's log-probs differ from the trainer's by {mean(gaps):.3g} per token on average over the last "
+                f"{len(gaps)} step{'s' if len(gaps) > 1 else ''} (this step's largest {record.get('sampler_gap_max', 0.0):.3g})")
+        if "sampler_gap_rows" in record:
+            text += (f"; this step {record['sampler_gap_rows']} completions hold a token off by more than "
+                     f"{GAP_OUTLIER:g} nat, the largest at token id {record['sampler_gap_token']} (position "
+                     f"{record['sampler_gap_pos']}): vLLM {record['sampler_gap_sampler_logp']:.3g}, trainer "
+                     f"{record['sampler_gap_trainer_logp']:.3g}")
+        if record.get("sampler_gap_unreported", 0):
+            return text + (f". {record['sampler_gap_unreported']} kept tokens have no vLLM log-prob (0.0, its padding): "
+                           "the trainer's masks run past where vLLM stopped, a stop-set disagreement. vLLM stops at "
+                           "the tokenizer's EOS and the generation config's eos ids too; the worker and the trainer "
+                           "must both take stop_token_ids(tokenizer, prompt_format, model)")
+        return text + (": the sampler is not running the policy the trainer trains. Check that both use the same "
+                       "--dtype and that weights reach vLLM (weights_load_s in metrics.jsonl); lower --max_policy_lag; "
+                       "keep --tis_cap on")
 
     def kl_message(self, kl, recent):
         cfg, n = self.cfg, sum(is_number(r.get("kl", 0.0)) for r in self.rows)  # the updates so far
