@@ -46,7 +46,7 @@ Prints one JSON line per system and length, on stdout (all logs go to stderr):
   peak_rss_mb        peak resident memory of everything the system runs: TRL's process (the
                      reference model is in it); our trainer, its vLLM worker and its reference
                      server, sampled together (peak_rss_trainer_mb: without the server)
-  accuracy_after     greedy test accuracy of the final model (simple_grpo/run/launch.py's evaluate -> evaluate.py)
+  accuracy_after     greedy test accuracy of the final model (tools/launch.py's evaluate -> evaluate.py)
   completion_len_mean  mean completion length in tokens (should be L)
 then one line per length with the ratios of our completions_per_s to TRL's.
 """
@@ -63,8 +63,8 @@ sys.path.insert(0, ROOT)
 from bench.harness import (BETA, GROUP, LR, PROMPTS, REWARD_WEIGHTS, TEMPERATURE, TRAIN,  # noqa: E402
                            build_deepspeed_ops, run, wait_peak_rss)
 from simple_grpo.lora import is_adapter_dir  # noqa: E402
-from simple_grpo.run import smollm2_recipe  # noqa: E402
-from simple_grpo.run.launch import MODEL, child_env, evaluate, smollm2_warm_start  # noqa: E402
+from tools import smollm2_recipe  # noqa: E402
+from tools.launch import MODEL, child_env, evaluate, smollm2_warm_start  # noqa: E402
 from simple_grpo.task.problems import SYSTEM_PROMPT  # noqa: E402
 
 SYSTEMS = ("trl", "grpo_train", "grpo_vllm_one")
@@ -90,7 +90,7 @@ def check_start(model_dir):
 def world_settings(world, env, start=None):
     """The work every system gets in a world. tiny: the tiny default model, full training, the settings
     above, completions of exactly L tokens. smollm2: make demo-real's warm-started SmolLM2-135M-Instruct
-    and its recipe (simple_grpo/run/smollm2_recipe.py): its short system prompt, 4 prompts x 8, LoRA r 16
+    and its recipe (tools/smollm2_recipe.py): its short system prompt, 4 prompts x 8, LoRA r 16
     alpha 32 dropout 0.05 on every linear layer, lr 2e-4, beta 0 (no reference model anywhere), and
     completions that end at EOS, at most L tokens, as in training (forced to L they would run on past
     the answer and score nothing). start: a model directory every system starts from in place of the world's

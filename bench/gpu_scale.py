@@ -57,7 +57,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from bench.harness import tree_pss, wait_peak_rss  # noqa: E402
 from simple_grpo.flags import flag, parse_flags  # noqa: E402
-from simple_grpo.run.launch import MODEL, ROOT, free_port, start_ref_server, stop  # noqa: E402
+from tools.launch import MODEL, ROOT, free_port, start_ref_server, stop  # noqa: E402
 from simple_grpo.run.metrics import read_metrics  # noqa: E402
 from simple_grpo.trainer.memory_plan import GB, count_parameters  # noqa: E402
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import psutil
 
 from simple_grpo.generation.config import GenerationConfig
-from simple_grpo.run.launch import ROOT, TINY_WORLD_FLAGS, evaluate, free_port, start_ref_server, stop
+from tools.launch import ROOT, TINY_WORLD_FLAGS, evaluate, free_port, start_ref_server, stop
 from simple_grpo.run.metrics import read_metrics
 from simple_grpo.trainer.config import TrainerConfig
 from simple_grpo.trainer.deepspeed_engine import clear_stale_build_locks

@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from bench.harness import build_deepspeed_ops, wait_peak_rss  # noqa: E402
-from simple_grpo.run.launch import MODEL, ROOT, TINY_WORLD_FLAGS, child_env, free_port, start_ref_server  # noqa: E402
+from tools.launch import MODEL, ROOT, TINY_WORLD_FLAGS, child_env, free_port, start_ref_server  # noqa: E402
 from simple_grpo.run.metrics import read_metrics  # noqa: E402
 
 

@@ -24,7 +24,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from simple_grpo.run.metrics import read_metrics  # noqa: E402
-from simple_grpo.run.launch import TINY_WORLD_FLAGS, child_env, evaluate, free_port, start_ref_server  # noqa: E402
+from tools.launch import TINY_WORLD_FLAGS, child_env, evaluate, free_port, start_ref_server  # noqa: E402
 
 PIPELINES = {"base": ("ref_server.py", "grpo_vllm_one.py"),
              "regroup": ("regroup_ver/ref_server_regroup.py", "regroup_ver/grpo_regroup.py")}

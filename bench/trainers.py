@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from bench.harness import build_deepspeed_ops, run  # noqa: E402
-from simple_grpo.run.launch import child_env  # noqa: E402
+from tools.launch import child_env  # noqa: E402
 
 
 def main():

@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 
-from simple_grpo.run.launch import ROOT
+from tools.launch import ROOT
 
 
 def run_script(args, env=None, timeout=900):

@@ -26,7 +26,7 @@ WHOLE = pytest.mark.timeout(2400)  # the warm start alone is ~6 minutes when not
 
 def test_another_start_seed_is_another_start_cached_apart():
     from tools.demo_real import start_flags, start_tag
-    from simple_grpo.run.smollm2_recipe import FEW_START_FLAGS
+    from tools.smollm2_recipe import FEW_START_FLAGS
 
     class Args:
         warm_start_flags, start_seed = None, 0
@@ -113,7 +113,7 @@ def test_the_answers_setting_runs_end_to_end_in_short(smollm2):  # noqa: F811
 # ---------------------------------------------------------------- what the demo fixes before it trains, and records
 def test_the_controls_steps_are_fixed_from_grpos_steps_not_timed():
     from tools.demo_real import control_steps, control_steps_derivation
-    from simple_grpo.run.smollm2_recipe import CONTROL_STEPS_PER_GRPO_STEP, STEPS
+    from tools.smollm2_recipe import CONTROL_STEPS_PER_GRPO_STEP, STEPS
     assert CONTROL_STEPS_PER_GRPO_STEP == 1.5 and control_steps(STEPS) == 60  # 60 supervised steps for GRPO's 40
     assert control_steps(80) == 120 and control_steps(0) == 1
     assert control_steps_derivation(40) == ("round(40 GRPO steps x 1.5 supervised steps a GRPO step costs "
@@ -129,7 +129,7 @@ def tiny_warm_start(out, *args):
 
 def test_the_report_records_the_steps_each_arm_trained_the_commit_the_start_and_every_flag(tmp_path):
     """provenance() on a real (tiny) start and a control trained from it for control_steps(2) steps."""
-    from simple_grpo.run.launch import git_commit
+    from tools.launch import git_commit
     from tools.demo_real import control_steps, provenance
     start, control = tmp_path / "start", tmp_path / "control"
     tiny_warm_start(start, "--steps", "2")
@@ -173,14 +173,14 @@ def test_a_start_beyond_the_few_solutions_is_refused_by_name(flags, message):
 
 def test_the_recipes_start_and_fewer_solutions_are_accepted():
     from tools.demo_real import check_few_solutions_start
-    from simple_grpo.run.smollm2_recipe import FEW_START_FLAGS
+    from tools.smollm2_recipe import FEW_START_FLAGS
     check_few_solutions_start(FEW_START_FLAGS)
     check_few_solutions_start(["--train_n=100", "--train", "data/toy_math/train.jsonl"])
 
 
 def test_the_evaluated_checkpoint_is_the_last_one_the_trainer_saved(tmp_path):
     """--steps after -- changes the steps trained: the checkpoint evaluated follows them."""
-    from simple_grpo.run.launch import trained_checkpoint
+    from tools.launch import trained_checkpoint
     for d in ("step_2", "step_10", "step_12.tmp", "control"):  # step_12.tmp: a save a kill cut short
         (tmp_path / d).mkdir()
     assert trained_checkpoint(str(tmp_path)) == (str(tmp_path / "step_10"), 10)
@@ -189,7 +189,7 @@ def test_the_evaluated_checkpoint_is_the_last_one_the_trainer_saved(tmp_path):
 
 
 def test_base_and_start_are_evaluated_once_per_start_and_cached_beside_it(tmp_path, capsys):
-    from simple_grpo.run.launch import cached_evaluate
+    from tools.launch import cached_evaluate
     start, env = tmp_path / "start", dict(os.environ)
     start.mkdir()
     eval_args = ["--backend", "hf", "--n", "4"]

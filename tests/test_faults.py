@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from tests.test_ref_server import server  # noqa: F401 - the live server fixture
-from simple_grpo.run.launch import ROOT, free_port, start_ref_server
+from tools.launch import ROOT, free_port, start_ref_server
 
 TRAIN = [sys.executable, "grpo_train.py", "--batch_prompts", "4", "--save_every", "2"]
 

@@ -23,7 +23,7 @@ from simple_grpo.generation.workers import start_workers, stop_workers
 from tests.test_faults import fresh, metrics, wait_for
 from tests.test_grpo_vllm_one import CFG, mean_abs_diff, policy, prompts, trainer_logps  # noqa: F401 - fixture
 from tests.test_ref_server import server  # noqa: F401 - the live server fixture
-from simple_grpo.run.launch import ROOT
+from tools.launch import ROOT
 
 TWO = ["--gen_workers", "2", "--batch_prompts", "4", "--log_completions_every", "1"]
 

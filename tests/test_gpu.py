@@ -33,7 +33,7 @@ if not torch.cuda.is_available():  # one skip, one reason line, for the whole fi
     pytest.skip("no CUDA device here (torch.cuda.is_available() is False): the GPU tests check a GPU machine "
                 "(make test-gpu there)", allow_module_level=True)
 
-from simple_grpo.run.launch import ROOT, free_port, start_ref_server, stop  # noqa: E402
+from tools.launch import ROOT, free_port, start_ref_server, stop  # noqa: E402
 from simple_grpo.run.metrics import read_metrics  # noqa: E402
 from tests.gpu_harness import check_clean_exit, json_result, run_script  # noqa: E402
 from tests.test_reference_fingerprint import models  # noqa: E402,F401 - the other tiny models, as a fixture

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from simple_grpo.rollouts import score_groups
-from simple_grpo.run.launch import ROOT
+from tools.launch import ROOT
 from simple_grpo.task.rewards import REWARD_FUNCS, load_reward_file, parse_reward_spec
 from tests.gpu_harness import check_clean_exit, json_result, run_script
 

@@ -55,7 +55,7 @@ def rank(r, port, results):
     dist.destroy_process_group()
 
 if __name__ == "__main__":
-    from simple_grpo.run.launch import free_port
+    from tools.launch import free_port
     results = mp.Manager().dict()
     mp.spawn(rank, args=(free_port(), results), nprocs=2)
     print(sorted(results.items()))
@@ -163,7 +163,7 @@ def test_gen_device_minus_one_leaves_out_the_gpu_the_local_reference_server_repo
 def test_the_gpu_a_reference_server_reports_is_read_from_its_health_on_loopback_only(tmp_path):
     import requests
     from simple_grpo.devices import physical_gpu, reference_gpus
-    from simple_grpo.run.launch import free_port, start_ref_server, stop
+    from tools.launch import free_port, start_ref_server, stop
     assert physical_gpu("cpu") is None
     port = free_port()
     proc = start_ref_server(port, dict(os.environ))

@@ -1,36 +1,106 @@
 """bench/gpu_scale.py on this CPU: the same path as on a GPU (a random-weight model, the ref server, vLLM,
-DeepSpeed, the plan), on the tiny model's shape and a small batch; its JSON object has every figure."""
+DeepSpeed, the plan), on the tiny model's shape and a small batch; its JSON object has every figure. And the two
+things it counts with: the update's phases (simple_grpo/run/phase_timer.py, in grpo_update's stats) and the
+hardware FLOPs it divides by their seconds (hardware_flops, checked against torch's FLOP counter)."""
 import json
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
 
-from simple_grpo.run.launch import ROOT
+from bench.gpu_scale import hardware_flops
+from grpo_train import Config
+from simple_grpo.run.phase_timer import PHASES
+from simple_grpo.trainer.config import check_options
+from simple_grpo.trainer.deepspeed_engine import make_engine
+from simple_grpo.trainer.memory_plan import count_parameters
+from simple_grpo.trainer.update import grpo_update, reference_logps
+from tools.launch import MODEL, ROOT
 
 FIGURES = ("s_per_step", "generated_tokens_per_s", "trained_tokens_per_s", "matmul_tflops", "update_tflops", "mfu",
-           "mfu_without_optimizer_step", "plan_gpu_gb", "host_peak_gb", "trainer_host_peak_gb", "completion_len")
+           "mfu_without_optimizer_step", "hardware_tflop", "hfu", "plan_gpu_gb", "host_peak_gb",
+           "trainer_host_peak_gb", "completion_len")
 GPU_ONLY = ("gpu_peak_gb", "ref_server_gpu_gb", "gpu_vs_plan")
+Q, G, P, C = 2, 4, 24, 32  # prompts, completions each, their padded lengths
 
 
-# ~40-85 s on 2 cores: the whole GRPO path of a bench, so `make test-all` runs it and `make test` leaves it
+def tiny_update(**flags):
+    """The tiny model as a DeepSpeed engine with these flags, and a batch of random tokens for its update."""
+    cfg = Config(model=MODEL, lr=1e-3, seed=0, micro_batch_groups=1, **flags)
+    check_options(cfg)
+    engine, tokenizer = make_engine(cfg)
+    torch.manual_seed(0)
+    batch = {"prompt_ids": torch.randint(10, 400, (Q, P)), "prompt_mask": torch.ones(Q, P, dtype=torch.long),
+             "completion_ids": torch.randint(10, 400, (Q * G, C)), "advantages": torch.randn(Q * G)}
+    return cfg, engine, tokenizer.eos_token_id, batch
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_updates_phases_add_up_to_its_seconds_and_recompute_is_checkpointings(checkpointing):
+    cfg, engine, eos, batch = tiny_update(beta=0.0, gradient_checkpointing=checkpointing)
+    hooks = lambda: [(m._forward_hooks.copy(), m._forward_pre_hooks.copy()) for m in engine.module.modules()]  # noqa: E731
+    before = hooks()  # DeepSpeed's own
+    t0 = time.perf_counter()
+    stats, _ = grpo_update(engine, batch, cfg, eos)
+    seconds = time.perf_counter() - t0
+    phases = {phase: stats[f"{phase}_s"] for phase in PHASES}
+    assert all(phases[p] > 0 for p in ("forward", "log_softmax", "backward", "loss", "optimizer")), phases
+    assert (phases["recompute"] > 0) == checkpointing, phases
+    assert sum(phases.values()) == pytest.approx(seconds, rel=0.1), (phases, seconds)
+    assert hooks() == before  # the timing hooks come off with the update
+
+
+@pytest.mark.parametrize("checkpointing,lora_r", [(False, 0), (True, 0), (True, 16)])
+def test_the_hardware_flops_are_the_matmuls_torch_counts_in_the_update(checkpointing, lora_r):
+    flags = {"use_peft": True, "lora_r": lora_r, "lora_target_modules": "all-linear"} if lora_r else {"beta": 0.0}
+    cfg, engine, eos, batch = tiny_update(gradient_checkpointing=checkpointing, **flags)
+    with FlopCounterMode(display=False) as reference:
+        if lora_r:
+            batch["ref_logps"] = reference_logps(engine, batch, cfg)
+    with FlopCounterMode(display=False) as update:
+        grpo_update(engine, batch, cfg, eos)
+    # torch counts no attention on a CPU (its attention kernel has no FLOP formula there): layers=0 leaves it out
+    shape = {**count_parameters(MODEL), "layers": 0}
+    counted_update, counted_reference = hardware_flops(shape, Q, G, P, C, checkpointing, lora_r, iterations=1)
+    assert counted_reference == reference.get_total_flops()
+    # LoRA: autograd skips the first layer's input gradients (the frozen embedding needs none), ~1% here
+    assert counted_update == pytest.approx(update.get_total_flops(), rel=0.03 if lora_r else 1e-9)
+
+
+# ~2 x 40-85 s on 2 cores: the whole GRPO path of a bench, twice, so `make test-all` runs it and `make test` leaves it
 @pytest.mark.slow
-def test_gpu_scale_prints_a_step_its_split_and_memory_beside_the_plan_on_a_cpu(tmp_path):
+def test_gpu_scale_prints_each_lengths_step_its_split_phases_hfu_and_memory_beside_the_plan_on_a_cpu(tmp_path):
     done = subprocess.run([sys.executable, "bench/gpu_scale.py", "--steps", "2", "--batch_prompts", "2",
-                           "--num_generations", "4", "--max_new_tokens", "32", "--max_model_len", "256",
+                           "--num_generations", "4", "--lengths", "32,12", "--max_model_len", "256",
                            "--out", str(tmp_path), "--run_name", "test_gpu_scale"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+                          cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["shape"] == "tiny-math" and result["device"] == "cpu" and result["steps"] == 2
-    assert all(result[key] > 0 for key in FIGURES), result
-    split = result["split_s"]
-    assert set(split) == {"generation", "reference", "update", "optimizer_step", "weight_sync", "wait"}
-    assert all(split[part] > 0 for part in ("generation", "reference", "update", "optimizer_step", "weight_sync")), split
-    assert split["optimizer_step"] < split["update"]  # a part of it
-    assert result["mfu"] < result["mfu_without_optimizer_step"] < 1
-    assert all(result[key] is None for key in GPU_ONLY), result  # no nvidia-smi here: not measured, not zero
-    assert result["mfu"] < 1 and "random weights" in result["note"]
+    by_length = json.loads(done.stdout.strip().splitlines()[-1])["by_length"]
+    assert list(by_length) == ["32", "12"]
+    assert by_length["12"]["completion_len"] <= 12 < by_length["32"]["completion_len"] <= 32
+    for result in by_length.values():
+        assert result["shape"] == "tiny-math" and result["device"] == "cpu" and result["steps"] == 2
+        assert all(result[key] > 0 for key in FIGURES), result
+        split = result["split_s"]
+        assert set(split) == {"generation", "reference", "update", "optimizer_step", "weight_sync", "wait"}
+        assert all(split[p] > 0 for p in ("generation", "reference", "update", "optimizer_step", "weight_sync")), split
+        assert split["optimizer_step"] < split["update"]  # a part of it
+        phases = result["update_phases_s"]
+        assert set(phases) == {*PHASES, "other"} and phases["recompute"] == 0  # no --gradient_checkpointing
+        assert sum(phases[p] for p in PHASES) == pytest.approx(split["update"], rel=0.1), (phases, split)
+        assert result["mfu"] < result["mfu_without_optimizer_step"] < 1
+        assert result["mfu"] < result["hfu"] < 1  # the prompts and attention count as hardware FLOPs, not model
+        assert all(result[key] is None for key in GPU_ONLY), result  # no nvidia-smi here: not measured, not zero
+        assert "random weights" in result["note"]
+
+
+def test_a_length_that_leaves_no_room_for_the_prompt_is_refused():
+    done = subprocess.run([sys.executable, "bench/gpu_scale.py", "--lengths", "700,1024"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "--lengths 700,1024: each must leave room for the prompt" in done.stderr
 
 
 def test_without_cuda_a_configs_shape_is_refused_before_anything_is_built(tmp_path):

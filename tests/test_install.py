@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from simple_grpo.run.launch import ROOT
+from tools.launch import ROOT
 
 
 @pytest.mark.slow

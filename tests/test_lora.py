@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from simple_grpo.run.launch import ROOT
+from tools.launch import ROOT
 from tests.test_ref_server import server  # noqa: F401 - the live server fixture
 
 # one process, as a trainer runs: the engine with adapters, two GRPO updates on real rollouts with the

@@ -1,4 +1,4 @@
-"""tools/probe.py: the pre-flight probe's figures and verdicts (vLLM on the tiny world: ~20 s a run).
+"""tools/probe.py (simple_grpo/run/probe.py): the pre-flight probe's figures and verdicts (vLLM on the tiny world: ~20 s a run).
 
     python -m pytest -q tests/test_probe.py                # the tiny world
     python -m pytest -q -m slow tests/test_probe.py        # SmolLM2-135M-Instruct too
@@ -101,7 +101,7 @@ def test_smollm2_probe_reports_its_figures(smollm2):  # noqa: F811
 
 def test_the_verdict_names_what_is_wrong():
     import torch
-    from tools.probe import verdict
+    from simple_grpo.run.probe import verdict
     assert verdict([16, 0, 0, 0, 0], torch.zeros(64), 1.0, 0.0, 4).startswith("0 of 16 prompts earned any reward")
     assert "no group has reward variance" in verdict([16, 0, 0, 0, 0], torch.ones(64), 1.0, 0.0, 4)
     assert verdict([10, 2, 0, 0, 4], torch.rand(64), 0.75, 0.0, 4).startswith("most groups (75%) are all-alike")

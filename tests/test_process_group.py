@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from simple_grpo.run.launch import ROOT
+from tools.launch import ROOT
 
 AT_EXIT = r"""
 import atexit, os

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo_math import completion_logps
 from simple_grpo.protocol import decode, encode
-from simple_grpo.run.launch import free_port, start_ref_server
+from tools.launch import free_port, start_ref_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "models", "tiny-math")

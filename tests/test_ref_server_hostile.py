@@ -27,7 +27,7 @@ from safetensors.torch import save
 
 from simple_grpo.protocol import VERSION, decode, encode, post_groups
 from tests.test_regroup import upload as regroup_group
-from simple_grpo.run.launch import MODEL, ROOT, free_port, start_ref_server
+from tools.launch import MODEL, ROOT, free_port, start_ref_server
 
 VOCAB, MAX_LEN = 561, 512  # the tiny model's
 SENTINEL = "/tmp/simple_grpo_pickle_ran"

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grpo_train import Config
 from simple_grpo.devices import auto_device, auto_dtype
 from simple_grpo.reference.fingerprint import check_reference, differences, model_fingerprint
-from simple_grpo.run.launch import ROOT, free_port, start_ref_server, stop
+from tools.launch import ROOT, free_port, start_ref_server, stop
 
 TINY = os.path.join(ROOT, "models", "tiny-math")
 

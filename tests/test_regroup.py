@@ -14,7 +14,7 @@ from grpo_math import group_advantages
 from simple_grpo.protocol import decode, encode
 from regroup_ver.ref_server_regroup import Pools, RegroupConfig
 from tests.test_faults import fresh
-from simple_grpo.run.launch import ROOT, free_port, start_ref_server
+from tools.launch import ROOT, free_port, start_ref_server
 
 EOS, PAD = 1, 0
 

@@ -2,9 +2,9 @@
 --log_completions_every steps, curves.png and report.html at the end; the resolved flags in config.json;
 null for the update's figures of a step with no update; --report_to's trackers, and --preflight stopping
 a run that would get no signal, or whose probe outlives its deadline. Short real runs of both trainers (beta 0)."""
+import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -18,10 +18,11 @@ METRICS = ["entropy", "clip_low_frac", "clip_high_frac", "completion_len_min", "
 VLLM_METRICS = ["sampler_gap_mean", "sampler_gap_max", "is_weight_min", "is_weight_mean", "is_weight_max"]
 
 
-def run(trainer, name, *flags, timeout=900):
+def run(trainer, name, *flags, timeout=900, env=None):
     return subprocess.run([sys.executable, f"{trainer}.py", "--beta", "0", "--lr", "1e-4", "--steps", "4",
                            "--batch_prompts", "4", "--run_name", name, "--log_completions_every", "2", *flags],
-                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                          env=env)
 
 
 @pytest.fixture(scope="module")
@@ -116,15 +117,34 @@ def test_preflight_stops_a_run_that_would_get_no_signal():
     assert not os.path.exists(os.path.join(ROOT, "runs", "test_preflight", "metrics.jsonl"))
 
 
+STALLS = """
+import time
+
+from simple_grpo.task.rewards import reward_function
+
+
+@reward_function("stalls")
+def stalls(completion, answer):
+    time.sleep(3600)  # a probe that is not ended never finishes
+    return 0.0
+"""
+
+
 def test_a_preflight_probe_past_its_deadline_stops_the_run_and_is_ended(tmp_path):
-    dataset = tmp_path / "train.jsonl"  # a path of this test's own, to find the probe's process by
-    shutil.copy(os.path.join(ROOT, "data", "toy_math", "train.jsonl"), dataset)
+    (tmp_path / "stalls.py").write_text(STALLS)
+    # a mark of this test's own in the run's environment, which the probe's process inherits: it is found by it
+    mark = {"PREFLIGHT_TEST_MARK": str(tmp_path)}
     # the real probe takes longer than 1 s to start (torch, vLLM)
-    out = run("grpo_train", "test_preflight_timeout", "--preflight", "--preflight_timeout", "1", "--dataset",
-              str(dataset), timeout=300)
+    out = run("grpo_train", "test_preflight_timeout", "--preflight", "--preflight_timeout", "1", "--reward_file",
+              str(tmp_path / "stalls.py"), "--reward_funcs", "stalls", "--reward_weights", "1", timeout=300,
+              env={**os.environ, **mark})
     assert out.returncode != 0, out.stdout[-3000:]
-    assert ("pre-flight: tools/probe.py did not finish in 1 s (--preflight_timeout): it starts vLLM on "
+    assert ("pre-flight: the probe did not finish in 1 s (--preflight_timeout): it starts vLLM on "
             "models/tiny-math and samples 64 problems x 8 completions. Raise --preflight_timeout") in out.stdout
-    left = [p.pid for p in psutil.process_iter(["cmdline"]) if f"--dataset={dataset}" in (p.info["cmdline"] or [])]
+    left = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):  # gone meanwhile, or another user's
+            if process.environ().get("PREFLIGHT_TEST_MARK") == mark["PREFLIGHT_TEST_MARK"]:
+                left.append(process.pid)
     assert left == []
     assert not os.path.exists(os.path.join(ROOT, "runs", "test_preflight_timeout", "metrics.jsonl"))

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from tests.test_smollm2 import save_figures, smollm2  # noqa: F401 - the converted model fixture
-from simple_grpo.run.launch import free_port, start_ref_server
+from tools.launch import free_port, start_ref_server
 from simple_grpo.run.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from simple_grpo.run.launch import ROOT
+from tools.launch import ROOT
 
 FLAGS = ["--beta", "0", "--batch_prompts", "2", "--num_generations", "4", "--max_new_tokens", "16",
          "--startup_order", "vllm_first", "--overwrite"]

@@ -11,7 +11,7 @@ import pytest
 
 from simple_grpo.evaluation import equivalence_verdict, pass_at_k, pass_at_k_curve
 from simple_grpo.flags import parse_flags
-from simple_grpo.run.launch import ROOT
+from tools.launch import ROOT
 from tools import study_real
 
 

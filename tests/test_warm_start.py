@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from simple_grpo.task.problems import load_jsonl, make_prompt
-from simple_grpo.task.warm_start import make_batch, sft_target, solution_steps
+from simple_grpo.task.supervised import make_batch, sft_target, solution_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORT_PROMPT = "Think in <think> </think>, answer in <answer> </answer>."
@@ -202,9 +202,9 @@ def test_a_start_made_from_other_data_is_refused_in_its_directory_naming_the_fil
 
 
 def test_the_demo_trains_a_start_from_other_data_in_a_directory_of_its_own(tmp_path):
-    """simple_grpo/run/launch.py names a start's directory by its key: other data, another directory, so the
+    """tools/launch.py names a start's directory by its key: other data, another directory, so the
     demo trains that start anew instead of reusing the one made from the old data."""
-    from simple_grpo.run.launch import warm_start_dir
+    from tools.launch import warm_start_dir
     data = few_problems(tmp_path / "train.jsonl")
     flags = ["--train", str(data), "--steps", "2"]
     first = warm_start_dir("models/tiny-math", flags, dict(os.environ))

@@ -8,7 +8,7 @@ import sys
 import time
 import types
 
-from simple_grpo.run.launch import ROOT
+from tools.launch import ROOT
 
 PARENT = """
 from tests.test_worker_stop import stop_a_busy_worker

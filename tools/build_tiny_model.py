@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 from simple_grpo.task.problems import SYSTEM_PROMPT, chat_prompt, load_jsonl  # noqa: E402
 from simple_grpo.evaluation import hf_generate, summarize  # noqa: E402
 from simple_grpo.flags import flag, parse_flags  # noqa: E402
-from simple_grpo.task.warm_start import make_batch, sft_target  # noqa: E402
+from simple_grpo.task.supervised import make_batch, sft_target  # noqa: E402
 
 TAGS = ["<think>", "</think>", "<answer>", "</answer>"]
 # Qwen's ChatML layout; a system message is used only when given.

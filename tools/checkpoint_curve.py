@@ -10,7 +10,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from simple_grpo.run.launch import evaluate  # noqa: E402 - after the path fix that lets the script import it
+from tools.launch import evaluate  # noqa: E402 - after the path fix that lets the script import it
 
 
 def accuracy(model_dir, data):

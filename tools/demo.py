@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from simple_grpo.evaluation import print_before_after  # noqa: E402
-from simple_grpo.run.launch import (MODEL, ROOT, TINY_WORLD_FLAGS, child_env, evaluate, free_port,  # noqa: E402
+from tools.launch import (MODEL, ROOT, TINY_WORLD_FLAGS, child_env, evaluate, free_port,  # noqa: E402
                                     start_ref_server, stop)
 
 # LoRA on the tiny model: adapters on every linear layer; lr 3e-4 (1e-3 learned less, and lost on seed 1:

@@ -9,7 +9,7 @@ training does, on this CPU?
 2. probes "before": does GRPO get a signal from it? (tools/probe.py);
 3. evaluates greedily on the held-out test split the untouched model ("base") and "before";
 4. trains LoRA adapters with grpo_vllm_one.py from "before" into runs/demo_real_seedN/ (the settings:
-   simple_grpo/run/smollm2_recipe.py; the search for them: docs/real_model.md), and times it;
+   tools/smollm2_recipe.py; the search for them: docs/real_model.md), and times it;
 5. the control: supervised training continued from "before" (tools/warm_start.py), into
    runs/demo_real_seedN/control, for a budget fixed in steps: round(GRPO's steps x
    smollm2_recipe.CONTROL_STEPS_PER_GRPO_STEP), the supervised steps a GRPO step costs as measured once on this
@@ -47,9 +47,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from simple_grpo.evaluation import paired_gain, print_before_after, read_details  # noqa: E402
-from simple_grpo.run.launch import (ROOT, TEST, cached_evaluate, child_env, evaluate, git_commit,  # noqa: E402
+from tools.launch import (ROOT, TEST, cached_evaluate, child_env, evaluate, git_commit,  # noqa: E402
                                     run_child, smollm2_warm_start, trained_checkpoint)
-from simple_grpo.run.smollm2_recipe import (CONTROL_FLAGS, CONTROL_STEPS_PER_GRPO_STEP, EVAL_FLAGS,  # noqa: E402
+from tools.smollm2_recipe import (CONTROL_FLAGS, CONTROL_STEPS_PER_GRPO_STEP, EVAL_FLAGS,  # noqa: E402
                                             FEW_SOLUTIONS, FEW_START_FLAGS, SAMPLING_FLAGS, STEPS, SYSTEM_PROMPT, TRAIN,
                                             TRAIN_FLAGS, WARM_START_FLAGS, write_answers_only)
 

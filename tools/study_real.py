@@ -31,8 +31,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from simple_grpo.evaluation import (details_accuracy, equivalence_verdict, interval_across,  # noqa: E402
                                     pass_at_k, pass_at_k_curve, read_details)
-from simple_grpo.run.launch import ROOT, cached_evaluate, child_env, run_child, smollm2_warm_start  # noqa: E402
-from simple_grpo.run.smollm2_recipe import (EVAL_FLAGS, FEW_START_FLAGS, SYSTEM_PROMPT, TRAIN_FLAGS,  # noqa: E402
+from tools.launch import ROOT, cached_evaluate, child_env, run_child, smollm2_warm_start  # noqa: E402
+from tools.smollm2_recipe import (EVAL_FLAGS, FEW_START_FLAGS, SYSTEM_PROMPT, TRAIN_FLAGS,  # noqa: E402
                                             write_answers_only)
 from simple_grpo.task.config import TaskConfig  # noqa: E402
 

@@ -6,7 +6,7 @@
 GRPO learns only from groups whose rewards differ. SmolLM2-135M-Instruct never writes the
 <answer> tags (0 of 200 held-out problems), so every reward is 0 and GRPO has nothing to go on.
 This teaches the format from a few hundred of the training problems' own solutions
-(simple_grpo/task/warm_start.py: `<think>12+7=19\\n...</think><answer>N</answer>`, a share of them in
+(simple_grpo/task/supervised.py: `<think>12+7=19\\n...</think><answer>N</answer>`, a share of them in
 other styles), with the same prompt the trainers will use, and saves a model GRPO starts from.
 With --eval_every N it scores greedy answers on --dev_n dev problems every N steps, saves the best
 checkpoint so far to --out (the model GRPO starts from is chosen on dev accuracy alone), and with
@@ -35,7 +35,7 @@ sys.path.insert(0, ROOT)
 from simple_grpo.evaluation import hf_generate, summarize  # noqa: E402
 from simple_grpo.flags import flag, parse_flags  # noqa: E402 (after the path fix that lets the script import it)
 from simple_grpo.task.problems import SYSTEM_PROMPT, load_jsonl, make_prompt, stop_token_ids  # noqa: E402
-from simple_grpo.task.warm_start import make_batch, sft_target  # noqa: E402
+from simple_grpo.task.supervised import make_batch, sft_target  # noqa: E402
 
 
 @dataclass
@@ -68,7 +68,7 @@ class WarmStartConfig:
 
 # The code a start's weights and its kept checkpoint depend on: this script's loop, the targets and batches,
 # the prompt, and the dev evaluation that picks the checkpoint (generation and the rewards that score it).
-START_CODE = ("tools/warm_start.py", "simple_grpo/task/warm_start.py", "simple_grpo/task/problems.py",
+START_CODE = ("tools/warm_start.py", "simple_grpo/task/supervised.py", "simple_grpo/task/problems.py",
               "simple_grpo/task/rewards.py", "simple_grpo/evaluation.py")
 
 

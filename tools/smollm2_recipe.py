@@ -57,7 +57,7 @@ def write_answers_only(path):
     import json
     import os
     from simple_grpo.task.problems import load_jsonl
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
     answers_only = load_jsonl(os.path.join(root, TRAIN))[FEW_SOLUTIONS:]
     with open(path, "w") as f:
         for p in answers_only:

@@ -1,8 +1,10 @@
-"""Starting this project's own processes from a script or a test: the reference server in the background
+"""Starting this project's own processes from a tool, a bench or a test: the reference server in the background
 (ready once its /health answers), evaluate.py on a checkpoint (cached for a model that does not change), a
-script as a child process, a free port, SmolLM2's supervised start. tools/demo.py, tools/demo_real.py,
-tools/study_real.py, the benches and the tests use them; MODEL, TEST and TINY_WORLD_FLAGS are the tiny default
-world's."""
+script as a child process, a free port, SmolLM2's supervised start (tools/fetch_smollm2.py, then
+tools/warm_start.py). tools/demo.py, tools/demo_real.py, tools/study_real.py, the benches and the tests use them;
+MODEL, TEST and TINY_WORLD_FLAGS are the tiny default world's. A module the tools import, not a script; the
+package (simple_grpo/) starts no script.
+"""
 import hashlib
 import json
 import os
@@ -15,9 +17,9 @@ import time
 import requests
 
 from simple_grpo.run.checkpoints import checkpoint_dirs
-from simple_grpo.run.smollm2_recipe import SYSTEM_PROMPT, WARM_START_FLAGS
+from tools.smollm2_recipe import SYSTEM_PROMPT, WARM_START_FLAGS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 MODEL, TEST = "models/tiny-math", "data/toy_math/test.jsonl"
 # the tiny model's tuned learning rate (2e-4 learned slower, 5e-4 collapsed), which is the trainers' default
 # for it too: given here so that a demo's command line says it

@@ -1,5 +1,5 @@
-"""A supervised warm start on the answer format: the targets and batches the tiny model was built
-with (tools/build_tiny_model.py) and a real model is taught with (tools/warm_start.py).
+"""Supervised targets and batches on the answer format: what the tiny model was built with
+(tools/build_tiny_model.py) and a real model's warm start is taught with (tools/warm_start.py).
 
 A target is written from a problem's GSM8K solution, `<think>12+7=19\\n19-5=14</think><answer>14</answer>`,
 or, for a share of them, in one of three styles out of format (the answer outside the tags, no
