@@ -1,6 +1,7 @@
 """The house's layering, read from the imports (ast, nothing is run): the root holds the card's scripts;
-no script imports another script; the package (simple_grpo/) never imports a script; its generation side
-and its trainer side never import each other; no module imports itself back through others.
+no script imports another script; the package (simple_grpo/) never imports a script, nor names one to run
+(starting the project's processes is the tools' job: tools/launch.py); its generation side and its trainer side
+never import each other; no module imports itself back through others.
 
 A script is a file outside the package with an `if __name__ == "__main__":` block (the trainers, the ref
 server, evaluate.py, tools/, bench/, regroup_ver/). Module names are dotted paths from the repository root,
@@ -91,6 +92,44 @@ def test_the_package_imports_no_script():
     assert not mains, "package modules run as scripts (their command belongs to a script): " + ", ".join(mains)
 
 
+def script_names(name, path):
+    """The strings a module would start a script by: its path from the root (tools/probe.py), its file name
+    (probe.py, as in os.path.join(ROOT, "tools", "probe.py")), and its dotted name (tools.probe, for -m)."""
+    rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+    return {rel, os.path.basename(rel), *([name] if "." in name else [])}
+
+
+def named_scripts(path, scripts):
+    """[(line, string)] for each string in the module (docstrings left out: they may say which script does
+    what) that names one of `scripts` (script_names' strings), whole or at the end of a path (an f-string's
+    pieces too), or that is a path to any .py file: a file to start."""
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            text = node.value.strip()
+            if " " in text:  # a sentence (an error message that tells the user what to run), not a path
+                continue
+            if text in scripts or text.endswith(tuple("/" + s for s in scripts)) or text.endswith(".py"):
+                found.append((node.lineno, node.value))
+    return sorted(found)
+
+
+def test_the_package_names_no_script_to_run():
+    """simple_grpo/ never starts a script (tools/*.py, bench/*.py, evaluate.py, ref_server.py...): the tools,
+    benches and tests start processes; a package module that runs code in a process of its own runs its own
+    functions there."""
+    known = modules()
+    scripts = set().union(*(script_names(name, path) for name, path in known.items()
+                            if not name.startswith(PACKAGE) and is_script(path)))
+    bad = sorted((os.path.relpath(path, ROOT), line, text) for name, path in known.items()
+                 if name.split(".")[0] == PACKAGE for line, text in named_scripts(path, scripts))
+    assert not bad, "package modules name scripts to run: " + ", ".join(f"{p}:{n}: {t!r}" for p, n, t in bad)
+
+
 def test_the_generation_side_and_the_trainer_side_never_import_each_other():
     _, edges = graph()
     bad = sorted(f"{a} -> {b}" for a in edges for b in edges[a] if side(a) and side(b) and side(a) != side(b))
@@ -122,3 +161,23 @@ def test_the_checker_sees_a_script_importing_a_script(tmp_path):
     (tmp_path / "b.py").write_text("x = 1\nif __name__ == '__main__':\n    pass\n")
     known = {"a": str(tmp_path / "a.py"), "b": str(tmp_path / "b.py")}
     assert imports("a", known["a"], known) == {"b"} and is_script(known["b"])
+
+
+def test_the_checker_sees_a_package_module_naming_a_script_to_run(tmp_path):
+    """A script's path, its file name among a path's pieces, its dotted name for -m, or an f-string's .py are
+    found; a docstring or an error message that names a script is not."""
+    module = tmp_path / "launch.py"
+    module.write_text('''"""Starts tools/probe.py."""
+import os, subprocess, sys
+def run(root, name):
+    """Runs evaluate.py."""
+    subprocess.run([sys.executable, "tools/probe.py"])
+    subprocess.run([sys.executable, os.path.join(root, "tools", "probe.py")])
+    subprocess.run([sys.executable, "-m", "tools.probe"])
+    subprocess.run([sys.executable, f"{name}.py"])
+    raise SystemExit("is `python ref_server.py` running?")
+''')
+    scripts = script_names("tools.probe", os.path.join(ROOT, "tools", "probe.py"))
+    assert scripts == {"tools/probe.py", "probe.py", "tools.probe"}
+    assert named_scripts(str(module), scripts) == [(5, "tools/probe.py"), (6, "probe.py"), (7, "tools.probe"),
+                                                   (8, ".py")]
