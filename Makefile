@@ -38,14 +38,17 @@ test-gpu: install
 
 # A GRPO step of grpo_vllm_one.py at the sizes people train, random weights, against the memory plan
 # (bench/gpu_scale.py, docs/gpu_notes.md) on a GPU: SIZE=0.5b full, 3b full with offload and checkpointing, 7b
-# LoRA with checkpointing (no SIZE: 0.5b); without CUDA no SIZE, the tiny model's shape on the CPU (STEPS=2)
+# LoRA with checkpointing (no SIZE: 0.5b); without CUDA no SIZE, the tiny model's shape on the CPU (STEPS=2).
+# It prints the step's split, MFU and HFU, and the update's phases; LENGTHS=700,300 runs it at each completion
+# limit (300 stands for a trained model's shorter answers). The GPU targets, all in one: bench/gpu_targets.sh
 SIZE ?=
 STEPS ?= 4
+LENGTHS ?=
 GPU_SCALE_0.5b := --config configs/qwen2.5-0.5b
 GPU_SCALE_3b := --config configs/qwen2.5-3b -- --offload_optimizer --gradient_checkpointing
 GPU_SCALE_7b := --config configs/qwen2.5-7b --lora -- --gradient_checkpointing
 bench-gpu: install
-	$(PY) bench/gpu_scale.py --steps $(STEPS) $(if $(SIZE),$(or $(GPU_SCALE_$(SIZE)),$(error SIZE=$(SIZE): use 0.5b, 3b or 7b)))
+	$(PY) bench/gpu_scale.py --steps $(STEPS) $(if $(LENGTHS),--lengths $(LENGTHS)) $(if $(SIZE),$(or $(GPU_SCALE_$(SIZE)),$(error SIZE=$(SIZE): use 0.5b, 3b or 7b)))
 
 # TRL's GRPOTrainer against both trainers (README "Performance"); installs TRL, a bench-only dependency.
 bench-trl: install

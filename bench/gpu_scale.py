@@ -4,6 +4,7 @@
     python bench/gpu_scale.py --config configs/qwen2.5-3b -- --offload_optimizer --gradient_checkpointing   # (b)
     python bench/gpu_scale.py --config configs/qwen2.5-7b --lora -- --gradient_checkpointing               # (c)
     python bench/gpu_scale.py --steps 2         # without CUDA: the tiny model's shape, the same path on the CPU
+    python bench/gpu_scale.py --config configs/qwen2.5-3b --lengths 700,300 -- --offload_optimizer ...  # two lengths
 
 It builds a random-weight model shaped like a configs/ entry (without CUDA: like models/tiny-math) with the tiny
 tokenizer, cached in --out; ids past the tokenizer's vocabulary decode to nothing. Then grpo_vllm_one.py runs
@@ -16,7 +17,9 @@ step whose groups all tie takes no update.
 
 Random weights sample to the token limit (EOS is 1 of Qwen's 151,936 ids; 1 of the tiny model's 561, so about half
 way there): every completion is as long as it may be, the worst case for generation; a trained model's completions
-are shorter. Every figure printed is of that case.
+are shorter. Every figure printed is of that case. --lengths 700,300 runs the bench once per completion limit, one
+after the other (300 stands for a trained model's shorter GSM8K answers); each prints its JSON line, and the last
+line holds them all, {"by_length": {"700": {...}, "300": {...}}}.
 
 The last line printed is a JSON object; medians leave the first step out (vLLM's and the allocator's warm-up):
   s_per_step                 the trainer's whole step
@@ -33,6 +36,16 @@ The last line printed is a JSON object; medians leave the first step out (vLLM's
                              base gets no weight gradient). Prompts (run once per group), attention scores and
                              checkpointing's recompute are not counted: a lower bound. mfu_without_optimizer_step:
                              the same FLOPs over the forward/backward passes' seconds alone
+  hardware_tflop, hfu        the FLOPs a step's update really runs, in TFLOP (hardware_flops below: prompts and
+                             padding, attention, recompute, LoRA's backward without the base's weight gradients;
+                             with --lora the trainer's reference pass too), and those per second of the update
+                             (with the reference pass) over matmul_tflops: the hardware FLOPs utilization. Shapes:
+                             completions padded to each step's longest, prompts to a batch's longest as drawn from
+                             the run's problems (padded_prompt_len)
+  update_phases_s            the update by phase (simple_grpo/run/phase_timer.py): forward, log_softmax (over the
+                             vocabulary, forward and backward), recompute (--gradient_checkpointing), backward,
+                             loss, optimizer (with --offload_optimizer: AdamW on the host and the copies); other:
+                             the update's seconds outside them (moving the batch, the diagnostics)
   gpu_peak_gb, plan_gpu_gb   nvidia-smi's used memory over the idle GPU's (every process on it), and the plan's
                              training GPU (vLLM's share included); ref_server_gpu_gb is the server's own, where
                              nvidia-smi names its process, and gpu_vs_plan compares the rest with the plan
@@ -41,8 +54,10 @@ The last line printed is a JSON object; medians leave the first step out (vLLM's
                              host_vs_plan compares it with the plan (which leaves the server's host memory out)
 Without CUDA the GPU figures are null and the plan is made for an 80 GB GPU (--plan_gpu_gb).
 """
+import dataclasses
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -59,6 +74,7 @@ from bench.harness import tree_pss, wait_peak_rss  # noqa: E402
 from simple_grpo.flags import flag, parse_flags  # noqa: E402
 from tools.launch import MODEL, ROOT, free_port, start_ref_server, stop  # noqa: E402
 from simple_grpo.run.metrics import read_metrics  # noqa: E402
+from simple_grpo.run.phase_timer import PHASES  # noqa: E402
 from simple_grpo.trainer.memory_plan import GB, count_parameters  # noqa: E402
 
 NOISE_REWARD = ["--reward_file", "tests/noise_rewards.py", "--reward_funcs", "noise", "--reward_weights", "1.0"]
@@ -78,6 +94,8 @@ class Config:
     plan_gpu_gb: float = flag(0.0, "the GPU size the plan is made for (0: this GPU's; 80 without CUDA)")
     out: str = flag(".cache/gpu_scale", "where the random-weight models are kept, one per shape and dtype")
     run_name: str = flag("bench_gpu_scale", "the trainer's run, runs/RUN_NAME/ (replaced each time)")
+    lengths: str = flag("", "completion limits to run one after another, e.g. 700,300 (each in --max_new_tokens' "
+                            "place; 300 stands for a trained model's shorter answers); empty: --max_new_tokens alone")
 
 
 def build_random_model(cfg, shape):
@@ -173,6 +191,61 @@ def plan(flags, gpu_gb):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def padded_prompt_len(run_dir, batch_prompts, draws=200):
+    """The batch's prompt length in tokens, padding included (a batch's prompts are padded to its longest): the
+    mean over `draws` random batches of the run's problems, with its prompt format and the model's tokenizer."""
+    from types import SimpleNamespace
+    from transformers import AutoTokenizer
+    from simple_grpo.task.config import load_data
+    from simple_grpo.task.problems import make_prompt
+    run = SimpleNamespace(**json.load(open(os.path.join(run_dir, "config.json"))))
+    tokenizer, rng = AutoTokenizer.from_pretrained(run.model), random.Random(0)
+    problems = load_data(run)
+    problems = rng.sample(problems, min(len(problems), 2000))
+    lengths = [len(tokenizer(make_prompt(tokenizer, p["question"], run.prompt_format, run.system_prompt),
+                             add_special_tokens=False)["input_ids"]) for p in problems]
+    return statistics.mean(max(rng.sample(lengths, batch_prompts)) for _ in range(draws))
+
+
+def hardware_flops(shape, Q, G, P, C, checkpointing, lora_r, iterations):
+    """The FLOPs one step's update runs on Q prompts padded to P tokens and Q*G completions padded to C, as
+    simple_grpo/logprobs.py's sequence_logps runs them, and with LoRA (lora_r > 0, all-linear) the trainer's
+    reference pass; returns (update, reference). A matmul of n x k by k x m is 2nkm; attention's scores and
+    values are 4 x the context x the queries' width per token and layer, over the causal context (half the
+    sequence on average); the vocabulary's log-softmax (element-wise) is not counted. Without checkpointing a
+    group's prompt runs once and its completions on copies of its KV cache; with it, each completion runs whole,
+    prompt included, and backward runs each layer's forward again, without its last matmul (down_proj: backward
+    needs its input, not its output, and torch's checkpoint stops once it has what backward needs; with LoRA its
+    adapters come after it, so it runs too). Backward computes every matmul's input gradient, and the weight
+    gradient of those that train: not the frozen base's under LoRA. tests/test_gpu_scale.py checks the matmuls
+    against torch's FLOP counter on the tiny model's real update."""
+    head = sum(i * o for name, i, o in shape["linears"] if name == "lm_head")  # the output layer's weights
+    body = sum(i * o for name, i, o in shape["linears"] if name != "lm_head")  # the decoder layers' linear weights
+    last = sum(i * o for name, i, o in shape["linears"] if name == "down_proj")
+    adapters = lora_r * sum(i + o for name, i, o in shape["linears"] if name != "lm_head")  # r x (in + out) each
+    width = next(o for name, i, o in shape["linears"] if name == "q_proj")  # the queries': heads x head_dim
+
+    def passes(cached):  # (tokens, their mean context) of each model call, and the logits kept
+        if cached:  # the prompts (their last logit), then the completions on the prompts' caches
+            return [(Q * P, P / 2), (Q * G * (C - 1), P + C / 2)], Q + Q * G * (C - 1)
+        return [(Q * G * (P + C), (P + C) / 2)], Q * G * (C + 1)  # C + 1 logits kept (logits_to_keep)
+
+    calls, logits = passes(cached=not checkpointing)
+    tokens = sum(n for n, _ in calls)
+    attention = sum(4 * context * width * shape["layers"] * n for n, context in calls)  # forward
+    matmuls = body + adapters
+    trained, head_trained = (adapters, 0) if lora_r else (body, head)
+    forward = 2 * matmuls * tokens + 2 * head * logits + attention
+    backward = 2 * (matmuls + trained) * tokens + 2 * (head + head_trained) * logits + 2 * attention
+    recompute = 2 * (matmuls - (0 if lora_r else last)) * tokens + attention if checkpointing else 0
+    reference = 0
+    if lora_r:  # the base with its adapters off, in evaluation mode (the cached path), without gradients
+        calls, logits = passes(cached=True)
+        reference = sum(2 * body * n + 4 * context * width * shape["layers"] * n for n, context in calls)
+        reference += 2 * head * logits
+    return iterations * (forward + recompute + backward), reference
+
+
 def median(rows, key):
     return statistics.median(r[key] for r in rows)
 
@@ -219,7 +292,8 @@ def main(cfg, extra):
             memory.stop()
         stop(server)
 
-    rows, _ = read_metrics(os.path.join(ROOT, "runs", cfg.run_name, "metrics.jsonl"))
+    run_dir = os.path.join(ROOT, "runs", cfg.run_name)
+    rows, _ = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     timed = rows[1:] or rows
     synced = timed[:-1] or rows[:-1] or rows  # the last step sends no weights: there is no next batch to sample
     for r in timed:
@@ -233,6 +307,14 @@ def main(cfg, extra):
     flops = (4 if cfg.lora else 6) * linear * median(timed, "tokens")
     measured = matmul_tflops("cuda" if cuda else "cpu", getattr(torch, cfg.dtype))
     update_tflops = flops / median(timed, "update_s") / 1e12
+    run = json.load(open(os.path.join(run_dir, "config.json")))
+    hardware = hardware_flops(shape_info, cfg.batch_prompts, cfg.num_generations,
+                              padded_prompt_len(run_dir, cfg.batch_prompts), median(timed, "completion_len_max"),
+                              run["gradient_checkpointing"], run["lora_r"] if cfg.lora else 0, run["num_iterations"])
+    # the update's phases, each a median over the steps; other: the update's seconds outside them
+    phases = {phase: median(timed, f"{phase}_s") for phase in PHASES}
+    for r in timed:
+        r["other_s"] = r["update_s"] - sum(r[f"{phase}_s"] for phase in PHASES)
     gpu_rest = None
     if memory:  # the plan counts the trainer and vLLM; the ref server is apart where nvidia-smi names it
         gpu_rest = memory.other_peak if memory.server_peak is not None else memory.peak
@@ -252,6 +334,10 @@ def main(cfg, extra):
         "matmul_tflops": round(measured, 3), "update_tflops": round(update_tflops, 3),
         "mfu": round(update_tflops / measured, 4),
         "mfu_without_optimizer_step": round(flops / median(timed, "passes_s") / 1e12 / measured, 4),
+        "hardware_tflop": round(sum(hardware) / 1e12, 4),  # a step's: the update's, and the LoRA reference pass's
+        "hfu": round(sum(hardware) / median(timed, "compute_s") / 1e12 / measured, 4),
+        "update_phases_s": {**{phase: round(seconds, 3) for phase, seconds in phases.items()},
+                            "other": round(median(timed, "other_s"), 3)},
         "gpu_peak_gb": round(memory.peak, 2) if memory else None,
         "ref_server_gpu_gb": round(memory.server_peak, 2) if memory and memory.server_peak is not None else None,
         "plan_gpu_gb": planned["trainer_gpu_gb"],
@@ -268,4 +354,13 @@ def main(cfg, extra):
 
 if __name__ == "__main__":
     split = sys.argv.index("--") if "--" in sys.argv else len(sys.argv)
-    main(parse_flags(Config, __doc__, args=sys.argv[1:split]), sys.argv[split + 1:])
+    cfg = parse_flags(Config, __doc__, args=sys.argv[1:split])
+    if not cfg.lengths:
+        main(cfg, sys.argv[split + 1:])
+    else:  # one bench per completion limit, then all of them on the last line
+        lengths = [int(n) for n in cfg.lengths.split(",")]
+        if max(lengths) >= cfg.max_model_len:
+            raise SystemExit(f"--lengths {cfg.lengths}: each must leave room for the prompt in --max_model_len "
+                             f"{cfg.max_model_len}")
+        results = {n: main(dataclasses.replace(cfg, max_new_tokens=n), sys.argv[split + 1:]) for n in lengths}
+        print(json.dumps({"by_length": results}))

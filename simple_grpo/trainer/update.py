@@ -3,14 +3,15 @@ backward, one optimizer step, with what makes a step bigger (micro-batches, seve
 iterations) and faster (the shared-prompt log-prob path, simple_grpo/logprobs.py). grpo_train.py writes
 the same step out plainly and shares the pieces below: loss_options, optimizer_step, step_stats."""
 import math
-import time
 
 import torch
 
 from grpo_math import completion_mask, grpo_loss
 from simple_grpo.devices import max_over_ranks
 from simple_grpo.logprobs import sequence_logps
+from simple_grpo.run.doctor import sampler_gap_details
 from simple_grpo.run.metrics import add_part_stats
+from simple_grpo.run.phase_timer import UpdatePhases
 
 
 def loss_options(cfg):
@@ -40,14 +41,6 @@ def optimizer_step(engine, loss):
         return norm, False
     engine.step()
     return norm, engine.was_step_applied()
-
-
-def synchronized_time():
-    """time.time() once the GPU has finished what was queued on it (CUDA runs asynchronously), so that the
-    seconds between two calls are the work's own."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.time()
 
 
 def step_stats(engine, norm, skipped, iterations):
@@ -107,45 +100,53 @@ def grpo_update(engine, batch, cfg, stop_ids):
     token_mean = cfg.loss_type in ("bnpo", "dapo", "cispo")  # the others average over sequences first
     sampler_logps = batch.get("sampler_logps")  # (B, C) vLLM's; None where the trainer's own policy sampled
     old_logps, skipped, norm = None, 0, None  # old_logps (B, C): the trainer's own, set by the first iteration
-    optimizer_s = 0.0  # seconds in the optimizer's steps (with --offload_optimizer, mostly on the host)
     tis_cap = getattr(cfg, "tis_cap", 0.0)  # grpo_vllm_one's option: only it has a sampler of its own
     sampler_is_pi_old = sampler_logps is not None and tis_cap == 0  # no TIS: vLLM's numbers are the ratio's base
-    for _ in range(cfg.num_iterations):
-        loss, stats, new_logps, entropy = 0.0, {}, [], 0.0
-        for i, (q0, q1) in enumerate(parts + [parts[0]] * (passes - len(parts))):
-            rows = slice(q0 * G, q1 * G)
-            logps, part_entropy = sequence_logps(engine, batch["prompt_ids"][q0:q1], batch["prompt_mask"][q0:q1],
-                                                 batch["completion_ids"][rows], cfg.temperature, impl=cfg.loss_impl,
-                                                 entropy=True)  # (b, C) each, b = (q1 - q0) * G
-            engine.set_gradient_accumulation_boundary(i == passes - 1)  # one optimizer step after the last pass
-            if i >= len(parts):  # a pass that only keeps this rank in step with the others: no gradient, no stats
-                engine.backward(logps.sum() * 0.0)
-                continue
-            new_logps.append(logps.detach())
-            ref = batch["ref_logps"][rows] if "ref_logps" in batch else None  # (b, C); None with beta 0
-            if sampler_is_pi_old:
-                pi_old, is_logps = sampler_logps[rows], None
-            else:  # the trainer's own (this forward's at the first iteration); vLLM's, if any, weight the tokens
-                pi_old = logps.detach() if old_logps is None else old_logps[rows]
-                is_logps = None if sampler_logps is None else sampler_logps[rows]
-            part_loss, part_stats = grpo_loss(logps, pi_old, ref, batch["advantages"][rows], loss_mask[rows],
-                                              sampler_logps=is_logps, tis_cap=tis_cap, **loss_options(cfg))
-            # the part's share of the batch's loss, so the parts' gradients add up to the whole batch's: its
-            # tokens' share where the loss is a mean over all tokens, its sequences' share where it is a mean
-            # over sequences
-            token_share = (loss_mask[rows].sum() / loss_mask.sum().clamp(min=1)).item()
-            share = token_share if token_mean else (q1 - q0) / Q
-            engine.backward(part_loss * share)
-            loss += part_loss.item() * share
-            add_part_stats(stats, part_stats, token_share)  # the diagnostics are token means: weighted by tokens
-            entropy += (part_entropy * loss_mask[rows]).sum().item()
-        old_logps = torch.cat(new_logps) if old_logps is None else old_logps  # (B, C)
-        t0 = synchronized_time()
-        norm, stepped = optimizer_step(engine, loss)
-        optimizer_s += synchronized_time() - t0
-        skipped += not stepped
+    with UpdatePhases(engine) as phases:  # the seconds of forward, backward, ... for the log (run/phase_timer.py)
+        for _ in range(cfg.num_iterations):
+            loss, stats, new_logps, entropy = 0.0, {}, [], 0.0
+            for i, (q0, q1) in enumerate(parts + [parts[0]] * (passes - len(parts))):
+                rows = slice(q0 * G, q1 * G)
+                with phases.forward():
+                    logps, part_entropy = sequence_logps(engine, batch["prompt_ids"][q0:q1],
+                                                         batch["prompt_mask"][q0:q1], batch["completion_ids"][rows],
+                                                         cfg.temperature, impl=cfg.loss_impl,
+                                                         entropy=True)  # (b, C) each, b = (q1 - q0) * G
+                engine.set_gradient_accumulation_boundary(i == passes - 1)  # one optimizer step after the last pass
+                if i >= len(parts):  # a pass that only keeps this rank in step with the others: no gradient, no stats
+                    with phases.backward():
+                        engine.backward(logps.sum() * 0.0)
+                    continue
+                new_logps.append(logps.detach())
+                ref = batch["ref_logps"][rows] if "ref_logps" in batch else None  # (b, C); None with beta 0
+                if sampler_is_pi_old:
+                    pi_old, is_logps = sampler_logps[rows], None
+                else:  # the trainer's own (this forward's at the first iteration); vLLM's, if any, weight the tokens
+                    pi_old = logps.detach() if old_logps is None else old_logps[rows]
+                    is_logps = None if sampler_logps is None else sampler_logps[rows]
+                with phases.timed("loss"):
+                    part_loss, part_stats = grpo_loss(logps, pi_old, ref, batch["advantages"][rows], loss_mask[rows],
+                                                      sampler_logps=is_logps, tis_cap=tis_cap, **loss_options(cfg))
+                # the part's share of the batch's loss, so the parts' gradients add up to the whole batch's: its
+                # tokens' share where the loss is a mean over all tokens, its sequences' share where it is a mean
+                # over sequences
+                token_share = (loss_mask[rows].sum() / loss_mask.sum().clamp(min=1)).item()
+                share = token_share if token_mean else (q1 - q0) / Q
+                with phases.backward():
+                    engine.backward(part_loss * share)
+                loss += part_loss.item() * share
+                add_part_stats(stats, part_stats, token_share)  # the diagnostics are token means: weighted by tokens
+                entropy += (part_entropy * loss_mask[rows]).sum().item()
+            old_logps = torch.cat(new_logps) if old_logps is None else old_logps  # (B, C)
+            with phases.timed("optimizer"):  # with --offload_optimizer, mostly on the host
+                norm, stepped = optimizer_step(engine, loss)
+            skipped += not stepped
     stats["loss"], stats["entropy"] = loss, entropy / loss_mask.sum().clamp(min=1).item()
     stats["tokens"] = int(loss_mask.sum())  # completion tokens trained on
-    stats["optimizer_s"] = optimizer_s
+    if sampler_logps is not None:  # where vLLM and the trainer disagree, named for the run doctor (grpo_loss has
+        # the mean and largest gap already where --tis_cap weights the tokens)
+        for key, value in sampler_gap_details(batch["completion_ids"], loss_mask, old_logps, sampler_logps).items():
+            stats.setdefault(key, value)
+    stats.update(phases.seconds())  # forward_s, log_softmax_s, recompute_s, backward_s, loss_s, optimizer_s
     stats.update(step_stats(engine, norm, skipped, cfg.num_iterations))
     return stats, torch.cat(new_logps)
