@@ -50,7 +50,9 @@ class EvalConfig(DataConfig):
     n: int = flag(0, "evaluate the first n problems (0: all)")
     temperature: float = flag(0.0, "sampling temperature; 0: greedy")
     samples: int = flag(1, "completions per problem (needs temperature > 0 when > 1)")
-    max_new_tokens: int = flag(64, "the longest completion, in tokens")
+    max_new_tokens: int = flag(64, "the longest completion, in tokens: above the trainers' 48 (task/config.py), so "
+                                   "that an answer a little longer than training allowed is still read whole; the "
+                                   "before/after figures of make demo (README) are at 64")
     backend: str = flag("auto", "auto (vllm if installed, else hf), vllm or hf")
     dtype: str = flag("float32", "float32 or bfloat16, in either backend")
     device: str = flag("auto", "where the hf backend runs: auto (the first visible GPU, else cpu), cpu, cuda, "

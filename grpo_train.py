@@ -11,11 +11,11 @@ log-probs (simple_grpo/logprobs.py) are grpo_vllm_one.py's: here those log-probs
     python grpo_train.py --beta 0           # no KL term: no reference server at all
     python grpo_train.py --use_peft         # LoRA adapters; the base, adapters off, is the reference: no server
 
-Every step, in order (the lines marked `# GRPO n.` below; docs/guide.md's reading order lists the files a
-step passes through):
+Every step, in order (the lines marked `# GRPO n.` below; docs/guide.md's reading path lists, traced, the
+functions, constants and flags a step runs through):
   1. draw `batch_prompts` (Q) problems and sample `num_generations` (G) completions for each with the
-     policy itself (transformers generate: simple_grpo/generation/hf_sampler.py, which shares each prompt's
-     KV cache among its G completions);
+     policy itself (transformers generate: simple_grpo/generation/hf_sampler.py, which runs each prompt once
+     and copies its KV cache G times, one copy per completion);
   2. score them (simple_grpo/rollouts.py, simple_grpo/task/rewards.py) and form group-relative advantages;
      keep the groups with a non-zero advantage (GRPO: their rewards differ; in the others every advantage is
      0: with beta > 0 their KL term would still pull towards the reference; dropping them is a choice, TRL
@@ -25,8 +25,12 @@ step passes through):
      LoRA: our own model, adapters off; with beta 0: none;
   4. the policy's log-probs (grpo_math.completion_logps: one forward, log_softmax, gather) and the GRPO
      loss (grpo_math.grpo_loss: grpo_objective with TRL's options); backward; one AdamW step (DeepSpeed's
-     engine.step(), through simple_grpo/trainer/update.py's optimizer_step). --num_iterations > 1 repeats
-     4 on the same rollouts (PPO's epochs).
+     engine.step(), through simple_grpo/trainer/update.py's optimizer_step: --lr, --adam_beta1, --adam_beta2,
+     --adam_epsilon, --weight_decay, --max_grad_norm). --num_iterations > 1 repeats 4 on the same rollouts
+     (PPO's epochs).
+Every number a default step uses is a flag, `python grpo_train.py --help` lists each with its default
+(simple_grpo/trainer/config.py's TrainerConfig, and the task/config.py TaskConfig it extends: G, T,
+--max_new_tokens); but one: the 1e-4 added to a group's reward std (grpo_math.group_advantages's eps, TRL's).
 At start it prints each default it derived from the other flags, and why (trainer/config.py's check_options);
 runs/NAME/config.json holds every flag as resolved. It writes one JSON line per step to runs/NAME/metrics.jsonl
 (a step with no group kept logs its update's figures as null), checkpoints to runs/NAME/step_N/ (HF format, plus
@@ -141,7 +145,7 @@ def main(cfg: Config):
             # grpo_math.completion_logps computes under the frozen model in evaluation mode, by the server's own
             # function and in its --dtype (bf16 on a GPU by default: tests/test_ref_server.py compares them)
             ref_logps = None  # beta 0: no KL term
-            if uses_ref_server(cfg):  # one upload per kept group, then one poll per group for its answer
+            if uses_ref_server(cfg):  # one upload per kept group, then each group's answer, polled until ready
                 meta = {"run_id": run_id, "policy_version": step, "temperature": cfg.temperature}
                 ref_logps = reference_logps_from_server(cfg, run_id, prompt_ids, prompt_mask, completion_ids,
                                                         until_stop, meta, waiting)  # (q*G, C)
@@ -154,9 +158,10 @@ def main(cfg: Config):
             t2 = time.time()
 
             # GRPO 4. the policy's log-probs, the GRPO loss, backward, one optimizer step. engine.step() (in
-            # optimizer_step) does what a plain loop writes out: clip the gradients' global 2-norm to 1.0, one
-            # AdamW step (lr --lr, constant; betas 0.9, 0.99; eps 1e-8; no weight decay), zero the gradients;
-            # set in simple_grpo/trainer/deepspeed_config.py (flag_config), or by a --deepspeed file
+            # optimizer_step) does what a plain loop writes out: clip the gradients' global 2-norm to
+            # --max_grad_norm, one AdamW step (--lr, constant; --adam_beta1, --adam_beta2, --adam_epsilon,
+            # --weight_decay), zero the gradients: simple_grpo/trainer/deepspeed_config.py's flag_config passes
+            # the flags to DeepSpeed (a --deepspeed file may change them; the run says so)
             engine.train()  # training mode: gradient checkpointing and dropout (if not disabled) act only in it
             loss_mask = completion_mask(completion_ids, stop_ids, cfg.mask_truncated_completions)  # (q*G, C)
             skipped = 0  # updates not taken: a NaN or inf in the gradient or the loss

@@ -35,7 +35,7 @@ class TaskConfig(DataConfig):
     reward_weights: str = flag("1.0,0.5", "one weight per reward function")
     reward_file: str = flag("", "a .py file whose @reward_function-decorated functions add rewards")
     num_generations: int = flag(8, "completions per problem: the group size G")
-    max_new_tokens: int = flag(48, "the longest completion, in tokens")
+    max_new_tokens: int = flag(48, "the longest completion, in tokens (evaluate.py's default is 64: see its --help)")
     min_new_tokens: int = flag(0, "no stop token before this many tokens (benchmarks at a fixed length)")
     temperature: float = flag(0.7, "sampling temperature: tokens come from softmax(logits / T), no top-k, top-p or "
                                    "penalty (the model's generation_config is not applied), and the log-probs are "

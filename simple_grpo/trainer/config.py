@@ -1,5 +1,12 @@
 """The trainers' shared flags and their checks: what both grpo_train.py and grpo_vllm_one.py take.
 
+Every number a default step uses is a field's default here, or in the TaskConfig this extends
+(simple_grpo/task/config.py: G, T, --max_new_tokens), and each trainer's --help lists it: the objective's
+beta and epsilon (grpo_math.grpo_loss, whose keyword defaults are the same), the optimizer's lr, betas,
+eps, weight decay and clip (deepspeed_config.flag_config passes them to DeepSpeed). Only --lr's default
+depends on the model (default_lr below, its two values in --lr's help); one number is not a flag: the 1e-4
+added to a group's reward std (grpo_math.group_advantages's eps, TRL's).
+
 Each script's Config extends TrainerConfig with the flags that are its own (grpo_vllm_one.py adds the
 generation worker's, simple_grpo/generation/config.py); check_options fills in the defaults that depend
 on other flags and refuses bad values before the slow start-up.
@@ -42,6 +49,12 @@ class TrainerConfig(TaskConfig):
     lr: Optional[float] = flag(None, "AdamW's learning rate; None: the model's, 1e-4 for the tiny default model and "
                                      "1e-6 (TRL's) for any other, as pretrained models in full want (their LoRA "
                                      "adapters want ~1e-4, SmolLM2-135M's 2e-4)")
+    adam_beta1: float = flag(0.9, "AdamW's beta1: the decay of its gradient mean")
+    adam_beta2: float = flag(0.99, "AdamW's beta2: the decay of its squared-gradient mean (TrainingArguments' "
+                                   "default is 0.999)")
+    adam_epsilon: float = flag(1e-8, "AdamW's eps, added to the root of the squared-gradient mean (torch's default)")
+    weight_decay: float = flag(0.0, "AdamW's decoupled weight decay")
+    max_grad_norm: float = flag(1.0, "the gradients' global 2-norm is clipped to this before each step")
     steps: int = flag(200, "optimizer steps (one batch of rollouts each)")
     num_iterations: int = flag(1, "optimizer steps per batch of rollouts (TRL's num_iterations, PPO's epochs)")
     micro_batch_groups: int = flag(0, "groups per forward/backward (0: the whole batch); less memory, same step")
@@ -119,12 +132,17 @@ def check_options(cfg):
     if not cfg.ref_url:  # whether a reference server is used follows from it (protocol.uses_ref_server)
         cfg.ref_url, why = default_ref_url(cfg)
         derived["ref_url"] = (cfg.ref_url or "(none)", why)
-    # the DeepSpeed config, once: a --deepspeed file can change the stage, dtype and lr the rest reads. The
+    # the DeepSpeed config, once: a --deepspeed file can change the stage, dtype and optimizer the rest reads. The
     # defaults tell the flags the user set from the rest (an lr not given: this model's default)
     defaults = type(cfg)(lr=None if lr_given else cfg.lr)
     ds_config, notes = deepspeed_config(cfg, defaults)
+    adamw = ds_config.get("optimizer", {}).get("params", {})
+    betas = adamw.get("betas", [cfg.adam_beta1, cfg.adam_beta2])
     from_file = {"zero_stage": zero_stage(ds_config), "dtype": "bfloat16" if uses_bf16(ds_config) else "float32",
-                 "lr": ds_config.get("optimizer", {}).get("params", {}).get("lr", cfg.lr)}
+                 "lr": adamw.get("lr", cfg.lr), "adam_beta1": betas[0], "adam_beta2": betas[1],
+                 "adam_epsilon": adamw.get("eps", cfg.adam_epsilon),
+                 "weight_decay": adamw.get("weight_decay", cfg.weight_decay),
+                 "max_grad_norm": ds_config.get("gradient_clipping", cfg.max_grad_norm)}
     for name, value in from_file.items():  # a flag the user left at its default, which the file sets
         if value != getattr(cfg, name) and getattr(cfg, name) == getattr(defaults, name):
             derived[name] = (value, f"from --deepspeed {cfg.deepspeed}")

@@ -6,15 +6,16 @@
 A file's values win over the flags, except "auto", which takes the flag's value (the convention
 of transformers' and TRL's DeepSpeed integration). Where a flag was set to something other than
 its default and the file says otherwise, the run says which value it uses. It also names each change the
-file makes to the optimizer, the gradient clipping or the scheduler (none: the lr is constant), which
-flag_config below sets and no flag changes. A file with gradient_accumulation_steps above 1 is refused:
+file makes to the optimizer, the gradient clipping or the scheduler (none: the lr is constant) where the
+flags were left at their defaults. A file with gradient_accumulation_steps above 1 is refused:
 the trainers call engine.step() once per update and expect one optimizer step from each call, which
 DeepSpeed would then take only once every k calls (--micro_batch_groups splits an update into passes
 with one step).
 
 One engine.step() (trainer/update.py's optimizer_step calls it) clips the gradients to a global 2-norm of
-gradient_clipping (1.0), takes one AdamW step (lr --lr, constant: no scheduler; betas 0.9, 0.99; eps 1e-8,
-torch's default; weight decay 0), and zeroes the gradients: flag_config below sets each of these.
+--max_grad_norm (1.0), takes one AdamW step (--lr, constant: no scheduler; --adam_beta1 0.9, --adam_beta2 0.99,
+--adam_epsilon 1e-8, --weight_decay 0), and zeroes the gradients: flag_config below sets each of these from
+its flag (trainer/config.py).
 
 bfloat16: DeepSpeed keeps bf16 weights, gradients and activations, and fp32 master weights and
 Adam moments. The optimizer is torch's AdamW (no C++ build); offloaded to the CPU it is torch's fused
@@ -24,7 +25,7 @@ import json
 import os
 
 DTYPES = ("float32", "bfloat16")
-FIXED = ("optimizer", "gradient_clipping", "scheduler")  # what flag_config sets and no flag changes
+FIXED = ("optimizer", "gradient_clipping", "scheduler")  # what a file's change to is named even at the flags' defaults
 
 
 def flag_config(cfg):
@@ -32,13 +33,14 @@ def flag_config(cfg):
     zero = {"stage": cfg.zero_stage}
     if cfg.offload_optimizer:  # optimizer state and fp32 master weights live in host RAM
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-            "bf16": {"enabled": cfg.dtype == "bfloat16"}, "zero_optimization": zero,
+    adamw = {"lr": cfg.lr, "betas": [cfg.adam_beta1, cfg.adam_beta2], "eps": cfg.adam_epsilon,
+             "weight_decay": cfg.weight_decay, "torch_adam": True,  # torch's AdamW, no C++ build
+             **({"fused": True} if cfg.offload_optimizer else {})}  # one pass over the host's weights and moments
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+            "gradient_clipping": cfg.max_grad_norm, "bf16": {"enabled": cfg.dtype == "bfloat16"},
+            "zero_optimization": zero,
             "zero_force_ds_cpu_optimizer": False,  # torch's AdamW on offloaded state: no DeepSpeedCPUAdam build
-            "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "betas": [0.9, 0.99], "weight_decay": 0.0,
-                                                      "torch_adam": True,
-                                                      # one pass over the host's master weights and moments
-                                                      **({"fused": True} if cfg.offload_optimizer else {})}}}
+            "optimizer": {"type": "AdamW", "params": adamw}}
 
 
 def merge(base, override, path="", notes=None):

@@ -1,0 +1,128 @@
+"""Every number a default step uses is a flag: both trainers' --help list it with its default, and the step reads
+that value (the optimizer DeepSpeed builds, the loss's options, the fields the traced step reads)."""
+import dataclasses
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from grpo_math import grpo_loss
+from simple_grpo.trainer.update import loss_options
+from tools.reading_path import RECORD, left_out_why
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAINERS = ("grpo_train.py", "grpo_vllm_one.py")
+OPTIMIZER = ("lr", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay", "max_grad_norm")
+CHANGED = {"lr": 3e-5, "adam_beta1": 0.8, "adam_beta2": 0.95, "adam_epsilon": 1e-6, "weight_decay": 0.1,
+           "max_grad_norm": 0.5}
+# what DeepSpeed's optimizer holds for a step started with each list of flags: its first parameter group, the clip
+ENGINE = """
+import json, sys
+from grpo_train import Config
+from simple_grpo.flags import parse_flags
+from simple_grpo.trainer.config import check_options
+from simple_grpo.trainer.deepspeed_engine import leave_process_group, make_engine
+for flags in json.loads(sys.argv[1]):
+    cfg = parse_flags(Config, args=flags)
+    check_options(cfg)
+    engine, _ = make_engine(cfg)
+    group = engine.optimizer.param_groups[0]
+    print(json.dumps({"lr": group["lr"], "adam_beta1": group["betas"][0], "adam_beta2": group["betas"][1],
+                      "adam_epsilon": group["eps"], "weight_decay": group["weight_decay"],
+                      "max_grad_norm": engine.gradient_clipping()}))
+leave_process_group()
+"""
+
+
+def help_of(script):
+    """{flag: (its help text, its default as --help prints it)} from `python script --help`."""
+    out = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    options = {}
+    for block in re.split(r"\n(?=  --|\S)", out.stdout):  # an option, or a section's header
+        name = re.match(r"  --(\w+)", block)
+        if name:
+            text = " ".join(block.split())
+            default = re.search(r".*\(default: (.*)\)$", text)  # the last thing the formatter adds
+            options[name.group(1)] = (text, default.group(1) if default else None)
+    return options
+
+
+@pytest.fixture(scope="module")
+def helps():
+    return {script: help_of(script) for script in TRAINERS}
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """The optimizer's numbers in a default step, and in one started with the flags CHANGED."""
+    changed = [arg for name, value in CHANGED.items() for arg in (f"--{name}", str(value))]
+    out = subprocess.run([sys.executable, "-c", ENGINE, json.dumps([[], changed])], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    default, changed = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return {"default": default, "changed": changed}
+
+
+def same(value, printed):
+    """Whether --help printed value as the default."""
+    if isinstance(value, float) and not isinstance(value, bool):
+        try:
+            return float(printed) == value
+        except (TypeError, ValueError):
+            return False
+    return printed == " ".join(str(value).split())  # the help's whitespace is folded
+
+
+def test_the_optimizer_of_a_default_step_holds_the_defaults_help_lists(helps, engines):
+    used = engines["default"]
+    for script in TRAINERS:
+        for name in OPTIMIZER[1:]:
+            assert same(used[name], helps[script][name][1]), (script, name, used[name], helps[script][name])
+        # --lr's default depends on the model: its help gives the tiny model's value
+        assert helps[script]["lr"][1] == "None" and "1e-4 for the tiny default model" in helps[script]["lr"][0]
+    assert used["lr"] == 1e-4
+
+
+def test_the_optimizer_takes_each_number_from_its_flag(engines):
+    assert engines["changed"] == CHANGED
+
+
+def test_the_loss_options_of_a_default_step_are_the_defaults_help_lists_and_grpo_losss_own(helps):
+    from grpo_train import Config
+    from simple_grpo.trainer.config import check_options
+    cfg = Config()
+    check_options(cfg)
+    options = loss_options(cfg)
+    flag_of = {"max_completion_length": "max_new_tokens", "impl": "loss_impl"}
+    signature = inspect.signature(grpo_loss).parameters
+    for option, value in options.items():
+        name = flag_of.get(option, option)
+        for script in TRAINERS:
+            printed = helps[script][name][1]
+            if option == "epsilon_high":  # None: --epsilon's value, a symmetric clip
+                assert printed == "None" and value == cfg.epsilon, value
+            else:
+                assert same(value, printed), (script, option, value, printed)
+        if option == "max_completion_length":  # no default: only dr_grpo reads it, and refuses None
+            assert signature[option].default is None
+        else:
+            assert signature[option].default == getattr(Config, name), option
+
+
+def test_every_config_field_the_traced_default_step_reads_is_a_flag_with_its_default_in_help(helps):
+    from grpo_train import Config
+    from simple_grpo.trainer.config import TrainerConfig
+    with open(RECORD) as f:
+        fields = json.load(f)["trainer"]["fields"]
+    read = {field for _, _, field, reader_file, reader in fields if not left_out_why(reader_file, reader)}
+    assert {"num_generations", "temperature", "max_new_tokens", "beta", "epsilon", "lr"} <= read
+    shared = {f.name for f in dataclasses.fields(TrainerConfig)}  # grpo_vllm_one.py's too; threads is each script's
+    for script in TRAINERS:
+        for field in read if script == "grpo_train.py" else read & shared:
+            assert field in helps[script], (script, field)
+            assert same(getattr(Config, field), helps[script][field][1]), (script, field, helps[script][field])
