@@ -1,0 +1,27 @@
+"""tools/gpu_real.py in its tiny CPU form: the command that trains a real model on a GPU (SmolLM2's supervised
+start, full fine-tuning in bf16) runs end to end on the tiny model: both evaluations, grpo_vllm_one.py, the paired
+gain, seconds a step and the sampler gap in its report."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow  # ~2.5 min: two evaluations and a grpo_vllm_one run, each starting vLLM
+def test_the_gpu_real_model_command_runs_in_its_tiny_form():
+    cmd = [sys.executable, "tools/gpu_real.py", "--start", "models/tiny-math", "--system_prompt", "", "--n", "16",
+           "--steps", "2", "--dtype", "float32", "--run_name", "test_gpu_real", "--",
+           "--batch_prompts", "2", "--num_generations", "4", "--max_new_tokens", "16"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report == json.load(open(os.path.join(ROOT, "runs", "test_gpu_real", "report.json")))
+    assert report["steps"] == 2 and report["start"]["n"] == report["after"]["n"] == 16
+    assert report["gain"]["ci95"][0] <= report["gain"]["points"] <= report["gain"]["ci95"][1]
+    assert report["s_per_step"] > 0 and 0 <= report["sampler_gap_mean"] <= report["sampler_gap_max"] < 0.1
+    assert "--dtype" in report["trainer_flags"] and "--use_peft" not in report["trainer_flags"]  # full fine-tuning
+    assert "GRPO - start:" in out.stdout
