@@ -46,6 +46,9 @@ The last line printed is a JSON object; medians leave the first step out (vLLM's
                              vocabulary, forward and backward), recompute (--gradient_checkpointing), backward,
                              loss, optimizer (with --offload_optimizer: AdamW on the host and the copies); other:
                              the update's seconds outside them (moving the batch, the diagnostics)
+  update_gpu_wait_s          CUDA: the seconds of the last step's update in which the GPU ran nothing (the trainer's
+                             --profile_step: torch.profiler's trace of its kernels and copies). The profiler slows
+                             that step, so the medians leave it out where another step is left to take them from
   gpu_peak_gb, plan_gpu_gb   nvidia-smi's used memory over the idle GPU's (every process on it), and the plan's
                              training GPU (vLLM's share included); ref_server_gpu_gb is the server's own, where
                              nvidia-smi names its process, and gpu_vs_plan compares the rest with the plan
@@ -278,7 +281,8 @@ def main(cfg, extra):
     memory = GpuMemory(server.pid if server else None) if cuda else None
     try:
         t0 = time.time()
-        trainer = subprocess.Popen([sys.executable, "grpo_vllm_one.py", *flags, "--steps", str(cfg.steps),
+        profile = ["--profile_step", str(cfg.steps)] if cuda else []  # the last step's GPU idle seconds
+        trainer = subprocess.Popen([sys.executable, "grpo_vllm_one.py", *flags, *profile, "--steps", str(cfg.steps),
                                     "--save_every", str(cfg.steps), "--log_completions_every", "0",
                                     "--run_name", cfg.run_name, "--overwrite"], cwd=ROOT, env=env)
         host_peak, host_peak_with_server = wait_peak_rss(trainer, also=server, measure=tree_pss)
@@ -294,8 +298,12 @@ def main(cfg, extra):
 
     run_dir = os.path.join(ROOT, "runs", cfg.run_name)
     rows, _ = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    gpu_wait = rows[-1].get("gpu_wait_s")  # the profiled step's (CUDA)
     timed = rows[1:] or rows
-    synced = timed[:-1] or rows[:-1] or rows  # the last step sends no weights: there is no next batch to sample
+    if gpu_wait is not None and len(timed) > 1:
+        timed = timed[:-1]  # the profiled step is slower: it gives gpu_wait alone
+    # the last step sends no weights: there is no next batch to sample
+    synced = [r for r in timed if r is not rows[-1]] or rows[:-1] or rows
     for r in timed:
         r["update_s"] = r["compute_s"] - r["ref_s"]
         r["passes_s"] = r["update_s"] - r["optimizer_s"]  # the forward/backward passes alone
@@ -338,6 +346,7 @@ def main(cfg, extra):
         "hfu": round(sum(hardware) / median(timed, "compute_s") / 1e12 / measured, 4),
         "update_phases_s": {**{phase: round(seconds, 3) for phase, seconds in phases.items()},
                             "other": round(median(timed, "other_s"), 3)},
+        "update_gpu_wait_s": round(gpu_wait, 3) if gpu_wait is not None else None,
         "gpu_peak_gb": round(memory.peak, 2) if memory else None,
         "ref_server_gpu_gb": round(memory.server_peak, 2) if memory and memory.server_peak is not None else None,
         "plan_gpu_gb": planned["trainer_gpu_gb"],

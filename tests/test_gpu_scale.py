@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from bench.gpu_scale import hardware_flops
 from grpo_train import Config
-from simple_grpo.run.phase_timer import PHASES
+from simple_grpo.run.phase_timer import PHASES, UpdatePhases, busy_seconds
 from simple_grpo.trainer.config import check_options
 from simple_grpo.trainer.deepspeed_engine import make_engine
 from simple_grpo.trainer.memory_plan import count_parameters
@@ -23,7 +23,7 @@ from tools.launch import MODEL, ROOT
 FIGURES = ("s_per_step", "generated_tokens_per_s", "trained_tokens_per_s", "matmul_tflops", "update_tflops", "mfu",
            "mfu_without_optimizer_step", "hardware_tflop", "hfu", "plan_gpu_gb", "host_peak_gb",
            "trainer_host_peak_gb", "completion_len")
-GPU_ONLY = ("gpu_peak_gb", "ref_server_gpu_gb", "gpu_vs_plan")
+GPU_ONLY = ("gpu_peak_gb", "ref_server_gpu_gb", "gpu_vs_plan", "update_gpu_wait_s")
 Q, G, P, C = 2, 4, 24, 32  # prompts, completions each, their padded lengths
 
 
@@ -41,7 +41,9 @@ def tiny_update(**flags):
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_the_updates_phases_add_up_to_its_seconds_and_recompute_is_checkpointings(checkpointing):
     cfg, engine, eos, batch = tiny_update(beta=0.0, gradient_checkpointing=checkpointing)
-    hooks = lambda: [(m._forward_hooks.copy(), m._forward_pre_hooks.copy()) for m in engine.module.modules()]  # noqa: E731
+    def hooks():
+        return [(m._forward_hooks.copy(), m._forward_pre_hooks.copy()) for m in engine.module.modules()]
+
     before = hooks()  # DeepSpeed's own
     t0 = time.perf_counter()
     stats, _ = grpo_update(engine, batch, cfg, eos)
@@ -51,6 +53,27 @@ def test_the_updates_phases_add_up_to_its_seconds_and_recompute_is_checkpointing
     assert (phases["recompute"] > 0) == checkpointing, phases
     assert sum(phases.values()) == pytest.approx(seconds, rel=0.1), (phases, seconds)
     assert hooks() == before  # the timing hooks come off with the update
+
+
+def test_busy_seconds_are_the_union_of_a_traces_ops_and_leave_the_idle_time_out():
+    a = torch.randn(256, 256)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as trace:
+        t0 = time.perf_counter()
+        a @ a
+        time.sleep(0.3)  # the device idle: no op runs
+        a @ a
+        seconds = time.perf_counter() - t0
+    events = trace.events()
+    matmuls = sum(e.time_range.elapsed_us() for e in events if e.name == "aten::matmul") / 1e6  # the two, whole
+    busy = busy_seconds(events, torch.autograd.DeviceType.CPU)
+    assert busy == pytest.approx(matmuls, rel=1e-6) and busy < seconds - 0.3
+    assert sum(e.time_range.elapsed_us() for e in events) / 1e6 > busy  # ops nest (matmul holds mm): once each
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_profiling_an_update_without_cuda_is_refused():
+    with pytest.raises(ValueError, match="GPU's idle seconds in it: it needs CUDA"):
+        UpdatePhases(engine=None, profile=True)
 
 
 @pytest.mark.parametrize("checkpointing,lora_r", [(False, 0), (True, 0), (True, 16)])

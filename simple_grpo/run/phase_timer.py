@@ -9,6 +9,8 @@ metrics.jsonl as keys ending in _s (timings: tools/compare_runs.py leaves them o
                --offload_optimizer, their copy to the host)
   loss         grpo_math.grpo_loss on the log-probs
   optimizer    engine.step(): the clip, AdamW (on the host with --offload_optimizer) and the copies back
+and, where the update is profiled (grpo_vllm_one.py --profile_step, CUDA only), apart from the phases:
+  gpu_wait     the update's seconds in which the GPU ran no kernel and no copy (torch.profiler's trace)
 
 The model's phases are found by hooks on its modules (forward: the whole model's forward; log_softmax's
 backward: until the logits' gradient is ready; recompute: a checkpointed layer's forward while backward runs),
@@ -37,11 +39,15 @@ class UpdatePhases:
     around engine.backward (log_softmax's backward, recompute, backward), `with phases.timed(phase):` around
     a phase that is whole (loss, optimizer). phases.seconds() is {"forward_s": ..., ...} for the log."""
 
-    def __init__(self, engine):
-        self.model = engine.module
+    def __init__(self, engine, profile=False):
+        if profile and not torch.cuda.is_available():
+            raise ValueError("profiling an update measures the GPU's idle seconds in it: it needs CUDA")
+        self.model, self.profiler = engine.module, None
         self.spent = dict.fromkeys(PHASES, 0.0)
         self.in_backward, self.hooks = False, []
         self.model_forward_s, self.recompute_s, self.logits_grad_at = 0.0, 0.0, None  # the hooks fill these in
+        if profile:  # the GPU's own activity: its kernels and copies, with their start and end
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
 
     def __enter__(self):
         model = self.model
@@ -54,12 +60,19 @@ class UpdatePhases:
                 # always_call: a recompute stops with an exception once it has made what backward needs
                 self.hooks += [layer.register_forward_pre_hook(self.recompute_starts),
                                layer.register_forward_hook(self.recompute_ends, always_call=True)]
+        if self.profiler:
+            self.profiler.__enter__()
+        self.started = synchronized_time()
         return self
 
     def __exit__(self, *_):
         for hook in self.hooks:
             hook.remove()
         self.hooks = []
+        if self.profiler:
+            seconds = synchronized_time() - self.started
+            self.profiler.__exit__(None, None, None)
+            self.spent["gpu_wait"] = seconds - busy_seconds(self.profiler.events(), torch.autograd.DeviceType.CUDA)
 
     # the hooks
     def model_forward_starts(self, *_):
@@ -116,3 +129,14 @@ class UpdatePhases:
 
     def seconds(self):
         return {f"{phase}_s": seconds for phase, seconds in self.spent.items()}
+
+
+def busy_seconds(events, device_type):
+    """The seconds in which a device ran something, from a torch.profiler trace's events: the union of the
+    intervals of those on `device_type` (kernels on a GPU may overlap, on several streams, and a CPU's ops nest)."""
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == device_type):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy / 1e6  # the trace's times are in microseconds
