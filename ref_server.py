@@ -27,9 +27,8 @@ import bottle
 from simple_grpo.flags import parse_flags
 from simple_grpo.logprobs import reference_group_logps
 from simple_grpo.protocol import encode
-from simple_grpo.reference.config import ServerConfig
+from simple_grpo.reference.config import ServerConfig, load_model
 from simple_grpo.reference.http_server import add_token_check_and_health, answer, read_rollout, serve, wait_seconds
-from simple_grpo.reference.model import load_model
 
 
 def ref_worker(model, todo, done, stats, lock):

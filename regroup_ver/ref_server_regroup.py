@@ -32,10 +32,9 @@ from grpo_math import completion_mask, group_advantages  # noqa: E402
 from simple_grpo.flags import flag, parse_flags  # noqa: E402
 from simple_grpo.logprobs import reference_group_logps  # noqa: E402
 from simple_grpo.protocol import encode  # noqa: E402
-from simple_grpo.reference.config import ServerConfig  # noqa: E402
+from simple_grpo.reference.config import ServerConfig, load_model  # noqa: E402
 from simple_grpo.reference.http_server import (add_token_check_and_health, answer, read_rollout, serve,  # noqa: E402
                                                wait_seconds)
-from simple_grpo.reference.model import load_model  # noqa: E402
 
 
 @dataclass

@@ -126,3 +126,18 @@ def test_every_config_field_the_traced_default_step_reads_is_a_flag_with_its_def
         for field in read if script == "grpo_train.py" else read & shared:
             assert field in helps[script], (script, field)
             assert same(getattr(Config, field), helps[script][field][1]), (script, field, helps[script][field])
+
+
+def test_a_deepspeed_files_optimizer_numbers_become_the_flags_the_run_records(tmp_path, capsys):
+    from grpo_train import Config
+    from simple_grpo.trainer.config import check_options
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"gradient_clipping": 0.5, "optimizer": {"params": {
+        "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1}}}))
+    cfg = Config(deepspeed=str(path))
+    check_options(cfg)
+    assert (cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay, cfg.max_grad_norm) == \
+        (0.8, 0.95, 1e-6, 0.1, 0.5)
+    out = capsys.readouterr().out.splitlines()
+    for name, value in (("adam_beta2", "0.95"), ("adam_epsilon", "1e-06"), ("max_grad_norm", "0.5")):
+        assert f"  {name} {value}: from --deepspeed {path}" in out

@@ -132,21 +132,13 @@ def check_options(cfg):
     if not cfg.ref_url:  # whether a reference server is used follows from it (protocol.uses_ref_server)
         cfg.ref_url, why = default_ref_url(cfg)
         derived["ref_url"] = (cfg.ref_url or "(none)", why)
-    # the DeepSpeed config, once: a --deepspeed file can change the stage, dtype and optimizer the rest reads. The
+    # the DeepSpeed config, once: it refuses a bad --dtype, or --offload_optimizer without ZeRO. A --deepspeed
+    # file can change the stage, dtype and optimizer the rest reads: cfg takes them (from_deepspeed_file). The
     # defaults tell the flags the user set from the rest (an lr not given: this model's default)
     defaults = type(cfg)(lr=None if lr_given else cfg.lr)
     ds_config, notes = deepspeed_config(cfg, defaults)
-    adamw = ds_config.get("optimizer", {}).get("params", {})
-    betas = adamw.get("betas", [cfg.adam_beta1, cfg.adam_beta2])
-    from_file = {"zero_stage": zero_stage(ds_config), "dtype": "bfloat16" if uses_bf16(ds_config) else "float32",
-                 "lr": adamw.get("lr", cfg.lr), "adam_beta1": betas[0], "adam_beta2": betas[1],
-                 "adam_epsilon": adamw.get("eps", cfg.adam_epsilon),
-                 "weight_decay": adamw.get("weight_decay", cfg.weight_decay),
-                 "max_grad_norm": ds_config.get("gradient_clipping", cfg.max_grad_norm)}
-    for name, value in from_file.items():  # a flag the user left at its default, which the file sets
-        if value != getattr(cfg, name) and getattr(cfg, name) == getattr(defaults, name):
-            derived[name] = (value, f"from --deepspeed {cfg.deepspeed}")
-        setattr(cfg, name, value)
+    if cfg.deepspeed:
+        derived.update(from_deepspeed_file(cfg, ds_config, defaults))
     if first_process():
         for note in notes:
             print(note)
@@ -154,6 +146,24 @@ def check_options(cfg):
             print("defaults derived for the flags left unset (runs/RUN_NAME/config.json holds every flag as resolved):")
         for name, (value, why) in derived.items():
             print(f"  {name} {f'{value:g}' if isinstance(value, float) else value}: {why}")
+
+
+def from_deepspeed_file(cfg, ds_config, defaults):
+    """Set cfg's flags to the values a --deepspeed file gave ds_config (the stage, dtype and optimizer the
+    rest reads, and config.json records); returns {flag: (value, why)} for those the user left at default."""
+    adamw = ds_config.get("optimizer", {}).get("params", {})
+    betas = adamw.get("betas", [cfg.adam_beta1, cfg.adam_beta2])
+    from_file = {"zero_stage": zero_stage(ds_config), "dtype": "bfloat16" if uses_bf16(ds_config) else "float32",
+                 "lr": adamw.get("lr", cfg.lr), "adam_beta1": betas[0], "adam_beta2": betas[1],
+                 "adam_epsilon": adamw.get("eps", cfg.adam_epsilon),
+                 "weight_decay": adamw.get("weight_decay", cfg.weight_decay),
+                 "max_grad_norm": ds_config.get("gradient_clipping", cfg.max_grad_norm)}
+    derived = {}
+    for name, value in from_file.items():  # a flag the user left at its default, which the file sets
+        if value != getattr(cfg, name) and getattr(cfg, name) == getattr(defaults, name):
+            derived[name] = (value, f"from --deepspeed {cfg.deepspeed}")
+        setattr(cfg, name, value)
+    return derived
 
 
 def check_values(cfg):

@@ -66,9 +66,13 @@ def deepspeed_config(cfg, defaults=None):
         raise SystemExit(f"unknown --dtype {cfg.dtype!r}: use one of {', '.join(DTYPES)}")
     if cfg.offload_optimizer and cfg.zero_stage == 0:
         raise SystemExit("--offload_optimizer needs ZeRO (--zero_stage 1, 2 or 3): ZeRO-0 has no offload")
+    return file_config(cfg, defaults) if cfg.deepspeed else (flag_config(cfg), [])
+
+
+def file_config(cfg, defaults=None):
+    """flag_config's config with the --deepspeed file's values on top (merge), and the lines that name the
+    values the file changed (deepspeed_config)."""
     base = flag_config(cfg)
-    if not cfg.deepspeed:
-        return base, []
     if not os.path.isfile(cfg.deepspeed):
         raise SystemExit(f"--deepspeed {cfg.deepspeed}: no such file")
     try:
