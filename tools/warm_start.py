@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from simple_grpo.evaluation import hf_generate, summarize  # noqa: E402
 from simple_grpo.flags import flag, parse_flags  # noqa: E402 (after the path fix that lets the script import it)
-from simple_grpo.task.problems import SYSTEM_PROMPT, load_jsonl, make_prompt, stop_token_ids  # noqa: E402
+from simple_grpo.task.problems import SYSTEM_PROMPT, chat_turn_end_id, load_jsonl, make_prompt, stop_token_ids  # noqa: E402
 from simple_grpo.task.supervised import make_batch, sft_target  # noqa: E402
 
 
@@ -146,7 +146,7 @@ def main(cfg: WarmStartConfig):
     torch.set_num_threads(cfg.threads)
     rng = random.Random(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    end_token = tokenizer.convert_ids_to_tokens(stop_token_ids(tokenizer)[-1])  # the chat template's turn end
+    end_token = tokenizer.convert_ids_to_tokens(chat_turn_end_id(tokenizer) or tokenizer.eos_token_id)  # the turn end
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
     problems = load_jsonl(cfg.train)[:cfg.train_n or None]
     if len(problems) < cfg.batch_size:
