@@ -42,7 +42,6 @@ LEFT_OUT = [
     ("simple_grpo/trainer/memory_plan.py", "--plan's memory plan: prints and stops only with --plan"),
     ("simple_grpo/reference/fingerprint.py", "the check that the server holds our model; changes no number"),
     ("simple_grpo/reference/http_server.py", "the server's HTTP: checks each upload, bounds connections"),
-    ("simple_grpo/devices.py", "where a process runs (auto device and dtype, ranks)"),
     ("grpo_train.py:check_one_process", "refuses the flags only grpo_vllm_one.py has"),
     ("simple_grpo/trainer/config.py:check_values", "refuses bad values, sets nothing"),
     ("simple_grpo/trainer/config.py:first_process", "whether this process prints the start-up lines"),
