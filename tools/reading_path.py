@@ -1,7 +1,7 @@
 """tools/reading_path.py: what one default step of grpo_train.py runs, traced, counted as the lines a reader reads.
 
-    python tools/reading_path.py            # the table docs/guide.md holds (~1 minute on a CPU)
-    python tools/reading_path.py --record   # ... and rewrite tools/reading_path.json, the trace it counts
+    python tools/reading_path.py            # the table docs/guide.md holds, counted from tools/reading_path.json
+    python tools/reading_path.py --record   # trace the step again first, and rewrite it (1-2 minutes on a CPU)
 
 It starts ref_server.py and runs `grpo_train.py --steps 1` (the default step: the tiny model, beta 0.04, the
 reference server), each under a tracer (sys.settrace and threading.settrace, every thread) that notes each
@@ -21,6 +21,7 @@ import functools
 import json
 import os
 import runpy
+import shutil
 import signal
 import socket
 import subprocess
@@ -114,8 +115,9 @@ def global_names(code, module_globals):
 
 
 def record_field_reads(fields):
-    """Note every read of a config dataclass's field (cfg.name) from the project's code, as (file of the
-    class that declares it, field). The config classes are the roots in CONFIG_CLASSES and their subclasses."""
+    """Note every read of a config dataclass's field (cfg.name) from the project's code, as (the file and class
+    that declare the field, the field, the file and function that read it). The config classes are the roots
+    in CONFIG_CLASSES and their subclasses."""
     import dataclasses
     import importlib
 
@@ -151,8 +153,9 @@ def trace_default_step(workdir):
     import requests
     port, env = free_port(), {**os.environ, "PYTHONPATH": ROOT}
     server_out, trainer_out = os.path.join(workdir, "server.json"), os.path.join(workdir, "trainer.json")
+    server_log = open(os.path.join(workdir, "server.log"), "w")  # a file: a pipe nobody reads could fill and stall it
     server = subprocess.Popen([sys.executable, __file__, "--trace", server_out, "ref_server.py", "--port", str(port)],
-                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                              cwd=ROOT, env=env, stdout=server_log, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 300
         while True:
@@ -162,7 +165,8 @@ def trace_default_step(workdir):
             except requests.RequestException:
                 pass
             if server.poll() is not None or time.time() > deadline:
-                raise SystemExit(f"reading_path: the traced ref server did not start: {server.stderr.read()[-2000:]}")
+                raise SystemExit("reading_path: the traced ref server did not start: "
+                                 + open(server_log.name).read()[-2000:])
             time.sleep(0.5)
         trainer = subprocess.run([sys.executable, __file__, "--trace", trainer_out, "grpo_train.py", "--steps", "1",
                                   "--run_name", RUN_NAME, "--overwrite", "--ref_url", f"http://127.0.0.1:{port}"],
@@ -172,7 +176,7 @@ def trace_default_step(workdir):
     finally:
         server.terminate()
         server.wait(timeout=60)
-        import shutil
+        server_log.close()
         shutil.rmtree(os.path.join(ROOT, "runs", RUN_NAME), ignore_errors=True)
     return {name: json.load(open(path)) for name, path in (("server", server_out), ("trainer", trainer_out))}
 
