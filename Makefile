@@ -89,7 +89,8 @@ probe: install
 	$(PY) tools/probe.py $(ARGS)
 
 # After (or during) a run: runs/NAME/report.html, one static page with its curves and logged completions.
-RUN ?= runs/demo
+# By default make demo's run (TRAINER=grpo_train writes runs/demo_seed0).
+RUN ?= runs/demo_vllm_seed0
 report: install
 	$(PY) tools/view_run.py $(RUN)
 
