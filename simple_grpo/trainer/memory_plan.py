@@ -18,8 +18,7 @@ L = the largest module's parameters) as DeepSpeed 0.19.8 holds them with AdamW (
   + offload          the fp32 gradients, master and Adam go to the host: 16/N a rank (16P a node)
   LoRA (--use_peft)  the frozen base holds weights only (d, or d/N + dL/P under ZeRO-3); gradients and
                      the optimizer rows above count the adapters' A parameters instead of P; the
-                     activations are counted as in full training (an upper bound: a frozen linear
-                     layer keeps no input for a weight gradient)
+                     activations are full training's plus what LoRA's dropout keeps (activation_bytes)
 
 
 Where 0.19.8's code holds more than its estimators count, the margin carries it: ZeRO-1/2's step()
@@ -35,8 +34,17 @@ a checkpoint's save copies the weights once more; and each process (rank, vLLM w
 PROCESS_RUNTIME. On an H100 at 3B this bounds what ran (docs/gpu_notes.md). Not counted: the reference
 server's model (its own device). Where vLLM shares the training
 GPU (--gen_device -1 on a node with no GPU to spare, as devices.generation_gpus decides, for this
-machine's GPUs or --plan_gpus N of them), its --gen_memory share of that GPU is a row of the trainer's.
-grpo_train.py has no vLLM: its plan has no generation GPU.
+machine's GPUs or --plan_gpus N of them), its --gen_memory share of that GPU is a row of the trainer's,
+and so is its process's CUDA context, which vLLM makes before it measures the GPU for that share
+(VLLM_CONTEXT). grpo_train.py has no vLLM: its plan has no generation GPU.
+
+The training GPU's transient rows come at different times of a step, so the plan counts the larger of
+the two: the update's activations (the log-prob pass and its backward), and the weight sync's, which
+with LoRA merges every adapted weight into a new tensor and holds them all at once until they are
+copied to the host (generation/weight_sync.py, lora.merged_weights), and under ZeRO-3 gathers every
+parameter whole (a checkpoint's save does too). At 7B with all-linear LoRA the sync's 13.3 GB is the
+larger (the update's 7.4); the plan before counted neither it nor the third copy of the logits, and was
+13% short of what an H100 run held (docs/gpu_notes.md, "The 7B LoRA run against the plan").
 """
 import functools
 import json
@@ -44,7 +52,7 @@ import math
 import os
 
 from simple_grpo.devices import generation_gpus, physical_gpus, visible_gpus, vllm_memory_share
-from simple_grpo.lora import target_modules
+from simple_grpo.lora import lora_dropout, target_modules
 
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -54,6 +62,16 @@ VLLM_RUNTIME = 2 * GB  # vLLM beyond weights and KV cache: profiled activations,
 # libraries, allocator caches, vLLM's compile workers. On an H100 at 3B (docs/gpu_notes.md) the trainer and its
 # worker held 4.6 GB beyond the counted rows between them; 3 GB a process bounds that.
 PROCESS_RUNTIME = 3 * GB
+# simple_grpo/logprobs.py's ChunkedLogProbs takes 2**25 logits a chunk on a GPU (2**22 on a CPU), beside the whole
+# logits: a bf16 chunk's float32 copy, that divided by the temperature and the previous chunk's, three float32
+# chunks at once (a float32 chunk needs no copy: two)
+LOGPROB_CHUNK = 2 ** 25
+# vLLM (0.26 .. 0.32, gpu_worker.init_device) measures the GPU for its gpu_memory_utilization share after its process
+# has made its CUDA context (and its distributed state; with one GPU, no NCCL communicator): the share has the
+# weights, the KV cache, the profiled activations, CUDA graphs and the memory that grew during its start, not the
+# context. A CUDA context with torch's kernels loaded lazily takes about 0.5 GB on an H100; the trainer's own is in
+# its 1 GB margin.
+VLLM_CONTEXT = 0.5 * GB
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,16 +108,28 @@ def pinned(nbytes):
     return 2 ** math.ceil(math.log2(nbytes)) if nbytes > 0 else 0
 
 
-def lora_parameters(cfg, m):
-    """The adapters' trainable parameters: r * (in + out) for each linear layer LoRA targets (PEFT's
-    per-architecture default, a list of names, or all-linear: every linear layer but the output head)."""
+def adapted_linears(cfg, m):
+    """(in, out) of each linear layer LoRA adapts: PEFT's per-architecture default, a list of names, or
+    all-linear (every linear layer but the output head)."""
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
     targets = target_modules(cfg.lora_target_modules) or DEFAULTS.get(m["model_type"])
     if targets is None:
         raise ValueError(f"PEFT has no default LoRA targets for {m['model_type']}: pass --lora_target_modules")
-    adapted = [(i, o) for name, i, o in m["linears"]
-               if (name != "lm_head" if targets == "all-linear" else name in targets)]
-    return sum(cfg.lora_r * (i + o) for i, o in adapted)
+    return [(i, o) for name, i, o in m["linears"]
+            if (name != "lm_head" if targets == "all-linear" else name in targets)]
+
+
+def lora_parameters(cfg, m):
+    """The adapters' trainable parameters: r * (in + out) for each linear layer LoRA adapts."""
+    return sum(cfg.lora_r * (i + o) for i, o in adapted_linears(cfg, m))
+
+
+def lora_merge_bytes(cfg, m, d):
+    """What the weight sync holds on the GPU with LoRA: lora.merged_weights makes W + scale * B @ A a new d-byte
+    tensor for every adapted weight and keeps them all until WeightSender.send has copied them to the host, and
+    PEFT's get_delta_weight makes B @ A and its scaled copy (d bytes each) for one weight at a time."""
+    adapted = adapted_linears(cfg, m)
+    return d * sum(i * o for i, o in adapted) + 2 * d * max((i * o for i, o in adapted), default=0)
 
 
 def model_states(P, L, d, stage, offload, N):
@@ -117,18 +147,45 @@ def model_states(P, L, d, stage, offload, N):
     return {"weights": d * P, "gradients": grads16 + fp32_grads, "optimizer": optimizer}, host
 
 
-def activation_bytes(m, d, seqs, seq_len, completion_len, checkpointing):
-    """What autograd keeps for one forward/backward of `seqs` sequences of `seq_len` tokens.
-    Per token and layer: q, k, v before and after rotary, the attention output, the MLP's gate, up,
-    silu(gate) and their product (4I), d bytes each, and the two RMSNorms' fp32 intermediates (16h
-    bytes); no (T, T) scores (sdpa/flash attention recompute them). With checkpointing only each
-    layer's input (h) stays, plus one layer's working set while it is recomputed. The log-prob pass
-    adds (completion tokens, vocab) logits in d bytes twice: the lm_head's output and its torch.cat
-    copy both live at the end of the forward; the gradient is then written over the copy."""
-    tokens = seqs * seq_len
-    layer = d * (10 * m["hidden"] + 4 * m["kv_heads"] * m["head_dim"] + 4 * m["intermediate"]) + 16 * m["hidden"]
-    kept = m["layers"] * tokens * d * m["hidden"] + tokens * layer if checkpointing else m["layers"] * tokens * layer
-    return kept + 2 * seqs * completion_len * m["vocab"] * d
+def activation_bytes(m, d, seqs, seq_len, completion_len, checkpointing, lora_inputs=0, chunk=LOGPROB_CHUNK):
+    """The most autograd and the log-prob pass hold at once for one forward/backward of `seqs` sequences of
+    `seq_len` tokens (simple_grpo/logprobs.py's sequence_logps, then the loss and backward).
+
+    Per token and layer, what backward needs: q, k, v before and after rotary, the attention output, the MLP's
+    gate, up, silu(gate) and their product (4I), d bytes each, and the two RMSNorms' fp32 intermediates (16h
+    bytes); no (T, T) scores (sdpa/flash attention recompute them). LoRA with dropout adds dropout's output
+    (d bytes) and its mask (a bool: CUDA's fused dropout) for each of the adapted layers' `lora_inputs` input
+    elements a token (q, k and v each drop their shared input apart); what the frozen base keeps no input for is
+    not taken off, so full training's count stays an upper bound there. While a layer's backward runs, the
+    gradients of its MLP's gate and up (2I, d bytes) come on top.
+
+    The logits, (completion tokens, vocab) in d bytes: without checkpointing sequence_logps runs the prompt
+    once and its completions on its KV cache, and the lm_head's output and the torch.cat of the two parts both
+    live at the end of the forward (ChunkedLogProbs then writes the gradient over the cat). With checkpointing
+    it runs one forward over prompt + completion and slices the (C + 1) logits it keeps to a view, which
+    ChunkedLogProbs cannot write over: its backward holds the lm_head's output, a contiguous copy of the view's
+    rows and the new gradient, three at once. The log-softmax's loop adds up to three float32 chunks of
+    `chunk` logits (two in a float32 run).
+
+    Without checkpointing every layer's activations live while the logits do. With it only each layer's input
+    (h) stays, with the last RMSNorm's fp32 intermediates (8h bytes; it is outside the layers), and the logits'
+    phase (first in backward) and a recomputed layer's (after it) come one after the other: the larger counts."""
+    tokens, h, I, V = seqs * seq_len, m["hidden"], m["intermediate"], m["vocab"]
+    layer = d * (10 * h + 4 * m["kv_heads"] * m["head_dim"] + 4 * I) + 16 * h + (d + 1) * lora_inputs
+    layer_backward = 2 * d * I
+    rows = seqs * (completion_len + 1 if checkpointing else completion_len)
+    logits = (3 if checkpointing else 2) * rows * V * d + (3 if d == 2 else 2) * 4 * min(chunk, rows * V)
+    if checkpointing:
+        return tokens * (m["layers"] * d * h + 8 * h) + max(tokens * (layer + layer_backward), logits)
+    return m["layers"] * tokens * layer + max(logits, tokens * layer_backward)
+
+
+def update_activations(cfg, m, d, seqs, seq_len, chunk=LOGPROB_CHUNK):
+    """activation_bytes for a trainer's config: its checkpointing, and LoRA's dropout on the inputs of the
+    layers it adapts (per layer) where it has any."""
+    lora_inputs = sum(i for i, _ in adapted_linears(cfg, m)) / m["layers"] \
+        if cfg.use_peft and lora_dropout(cfg) > 0 else 0
+    return activation_bytes(m, d, seqs, seq_len, cfg.max_new_tokens, cfg.gradient_checkpointing, lora_inputs, chunk)
 
 
 def detected_gpu_gb():
@@ -183,13 +240,21 @@ def plan_memory(cfg, world_size=1, gpu_gb=None):
     if cfg.use_peft:  # the frozen base: weights only, partitioned under ZeRO-3 like the rest
         trainer["weights"] += d * P / N + d * L if stage == 3 else d * P
     seqs = min(per_part or prompts, prompts) * G  # sequences in one forward/backward
-    trainer["activations"] = activation_bytes(m, d, seqs, seq_len, new_tokens, checkpointing)
-    bucket = d * (min(BUCKET_ELEMENTS, A) if stage == 0 or cfg.use_peft else BUCKET_ELEMENTS)
+    trainer["activations"] = update_activations(cfg, m, d, seqs, seq_len)
+    # the weight sync (and under ZeRO-3 a checkpoint's save), after the update: ZeRO-3 gathers every parameter
+    # whole at once (deepspeed.zero.GatheredParameters over all of them); LoRA's merged weights (lora_merge_bytes)
+    trainer["weight_sync"] = (d * P if stage == 3 else 0) \
+        + (lora_merge_bytes(cfg, m, d) if cfg.use_peft and uses_vllm else 0)
+    transient = max(trainer["activations"], trainer["weight_sync"])  # not at once: the larger counts
+    # ZeRO-1/2 take a bucket of reduce_bucket_size elements for every backward whatever trains (setup_buckets)
+    bucket = d * (min(BUCKET_ELEMENTS, A) if stage == 0 or (cfg.use_peft and stage == 3) else BUCKET_ELEMENTS)
     step_copy = d * A / N if stage and not offload else 0  # what step() holds beyond the estimators (docstring)
     # CUDA context and cuBLAS/NCCL workspaces, a gradient bucket, step()'s copy, allocator fragmentation
-    trainer["margin"] = 1 * GB + bucket + step_copy + 0.1 * trainer["activations"]
+    trainer["margin"] = 1 * GB + bucket + step_copy + 0.1 * transient
     trainer["vllm_share"] = gen_memory * gpu_gb * GB if shared else 0  # vLLM takes it first (workers.wait_for_vllm)
-    trainer["total"] = sum(trainer.values())
+    trainer["vllm_context"] = VLLM_CONTEXT if shared else 0  # its process's, outside that share
+    trainer["total"] = sum(trainer[row] for row in ("weights", "gradients", "optimizer", "margin", "vllm_share",
+                                                    "vllm_context")) + transient
 
     # ALGO LOGIC: the generation GPU, per vLLM tensor-parallel rank; weights and KV cache in `dtype`
     full_batch = prompts * G
@@ -265,9 +330,11 @@ def format_plan(plan):
              f"  {plan['sequences_per_pass']} sequences per forward/backward of up to {plan['seq_len']} tokens "
              f"({plan['max_new_tokens']} new)",
              f"{'training GPU (' + format(plan['gpu_gb'], '.0f') + ' GB), per rank':<36}{'GB':>8}"]
-    rows = ("weights", "gradients", "optimizer", "activations", "margin") \
-        + (("vllm_share",) if plan["shared_gpu"] else ()) + ("total",)
-    lines += [f"  {'vLLM (shared GPU)' if name == 'vllm_share' else name:<34}{t[name] / GB:>8.1f}" for name in rows]
+    names = {"weight_sync": "weight sync", "vllm_share": "vLLM (shared GPU)", "vllm_context": "vLLM's CUDA context"}
+    rows = ("weights", "gradients", "optimizer", "activations") + (("weight_sync",) if t["weight_sync"] else ()) \
+        + ("margin",) + (("vllm_share", "vllm_context") if plan["shared_gpu"] else ()) + ("total",)
+    notes = {"weight_sync": "   after the update, not beside its activations: the total counts the larger"}
+    lines += [f"  {names.get(name, name):<34}{t[name] / GB:>8.1f}{notes.get(name, '')}" for name in rows]
     lines += [f"{'generation GPU (vLLM), per tp rank':<36}{'GB':>8}   {plan['layout']}",
               f"  {'takes (gen_memory ' + str(plan['gen_memory']) + ')':<34}{g['takes'] / GB:>8.1f}",
               f"  {'needs':<34}{g['needs'] / GB:>8.1f}   weights {g['weights'] / GB:.1f} + KV cache "

@@ -1,0 +1,130 @@
+"""What grpo_vllm_one.py's own code allocates on this CPU in each phase of a step that the memory plan has a row for,
+for tests/test_memory_plan.py: a random model with a few small layers (and Qwen2.5's vocabulary of 151,936 ids, or
+a small one), a real DeepSpeed engine (make_engine), one warm-up step, then the peak bytes above each phase's start
+of the LoRA reference pass (reference_logps), the update (grpo_update: log-probs, loss, backward) and the weight
+sync's merge (lora.merged_weights, as WeightSender.send holds it), from torch's profiler (every CPU allocation).
+
+Left out of the update's peak: what the optimizer's step allocates (the plan's gradient and optimizer rows count
+it), ZeRO-2's gradient bucket (reported apart: a row of the plan's margin), and a copy only a CPU makes: torch.matmul
+on the lm_head's sliced input (the logits checkpointing keeps) multiplies by the frozen weight expanded over the
+batch, which CPU bmm makes contiguous (batch x hidden x vocab) and CUDA's bmm takes as it is (stride 0).
+
+    python tests/memory_plan_measure.py '{"lora": {"model": DIR, "shape": {...}, "Q": 1, "G": 4, "P": 16, "C": 48,
+                                                   "flags": ["--use_peft", ...]}, ...}'
+
+builds each run's model in its DIR once (Qwen2Config's keys in "shape"; bf16) and prints one JSON line per run:
+{"name", "reference", "update", "bucket", "merge", "merge_held"}, bytes.
+"""
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from grpo_vllm_one import Config  # noqa: E402
+from simple_grpo.flags import parse_flags  # noqa: E402
+from simple_grpo.lora import merged_weights  # noqa: E402
+from simple_grpo.trainer.config import check_options  # noqa: E402
+from simple_grpo.trainer.deepspeed_engine import make_engine  # noqa: E402
+from simple_grpo.trainer import update  # noqa: E402
+from simple_grpo.trainer.update import grpo_update, reference_logps  # noqa: E402
+
+TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tiny-math")
+
+
+def build(path, shape):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+    if os.path.exists(os.path.join(path, "config.json")):
+        return
+    torch.manual_seed(0)
+    config = Qwen2Config(tie_word_embeddings=False, max_position_embeddings=4096, **shape)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+    AutoTokenizer.from_pretrained(TINY).save_pretrained(path)
+
+
+def allocations(fn):
+    """fn's result and its CPU allocations in time order: (size, total allocated after it, ptr, op names above it)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    found, stack = [], [(e, ()) for e in prof.profiler.kineto_results.experimental_event_tree()]
+    while stack:
+        event, above = stack.pop()
+        if event.tag == _EventType.Allocation:
+            f = event.extra_fields
+            found.append((event.start_time_ns, f.alloc_size, f.total_allocated, f.ptr, above))
+        stack.extend((child, above + (event.name,)) for child in event.children)
+    return result, [a[1:] for a in sorted(found, key=lambda a: a[0])]
+
+
+def peak(events, leave_out=lambda size, above: False):
+    """The most bytes live at once above the phase's start, less the live allocations `leave_out` picks, and the
+    largest of those."""
+    if not events:
+        return 0, 0
+    start = events[0][1] - events[0][0]
+    apart, most, largest_apart = {}, start, 0
+    for size, total, ptr, above in events:
+        if size > 0 and leave_out(size, above):
+            apart[ptr] = size
+            largest_apart = max(largest_apart, size)
+        elif size < 0:
+            apart.pop(ptr, None)
+        most = max(most, total - sum(apart.values()))
+    return most - start, largest_apart
+
+
+def named_optimizer_step(engine, loss, step=update.optimizer_step):
+    """update.optimizer_step under its name in the profile: what the step allocates (DeepSpeed's fp32 gradients
+    and its copies) is the plan's gradient and optimizer rows, not the activations."""
+    with torch.profiler.record_function("optimizer_step"):
+        return step(engine, loss)
+
+
+def measure(spec):
+    Q, G, P, C, flags = spec["Q"], spec["G"], spec["P"], spec["C"], spec["flags"]
+    cfg = parse_flags(Config, "", ["--model", spec["model"], "--dtype", "bfloat16", "--zero_stage", "2",
+                                   "--threads", "1", "--lr", "1e-4", "--beta", "0.04", "--batch_prompts", str(Q),
+                                   "--num_generations", str(G), "--max_new_tokens", str(C),
+                                   "--max_model_len", str(P + C), "--micro_batch_groups", "1", *flags])
+    check_options(cfg)
+    engine, _ = make_engine(cfg)
+    V, hidden = spec["shape"]["vocab_size"], spec["shape"]["hidden_size"]
+    g = torch.Generator().manual_seed(0)
+    batch = {"prompt_ids": torch.randint(3, V, (Q, P), generator=g), "prompt_mask": torch.ones(Q, P, dtype=torch.long),
+             "completion_ids": torch.randint(3, V, (Q * G, C), generator=g),
+             "advantages": torch.randn(Q * G, generator=g), "sampler_logps": -torch.rand(Q * G, C, generator=g)}
+    reference = (lambda: reference_logps(engine, batch, cfg)) if cfg.use_peft else (lambda: -torch.rand(Q * G, C))
+    batch["ref_logps"] = reference()
+    grpo_update(engine, batch, cfg, [0])  # the first step makes the optimizer's state: what the plan's states count
+
+    def cpu_only_copy(size, above):  # the lm_head's weight expanded over the batch, made contiguous by CPU bmm
+        return "aten::bmm" in above and size >= Q * G * hidden * V * 2
+
+    def bucket(size, above):  # ZeRO-2's reduce bucket, taken at a backward's first gradient
+        return "torch::autograd::AccumulateGrad" in above and size >= 1e8
+
+    _, events = allocations(reference)
+    ref_peak, _ = peak(events, cpu_only_copy)
+    _, events = allocations(lambda: grpo_update(engine, batch, cfg, [0]))
+    update_peak, _ = peak(events, lambda size, above: cpu_only_copy(size, above) or bucket(size, above)
+                          or "optimizer_step" in above)
+    _, bucket_bytes = peak(events, bucket)
+    parameters = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
+    with torch.no_grad():
+        weights, events = allocations(lambda: merged_weights(engine.module))
+    held = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in weights.values()
+                                                      if t.untyped_storage().data_ptr() not in parameters}.values())
+    merge_peak, _ = peak(events)
+    return {"reference": ref_peak if cfg.use_peft else 0, "update": update_peak, "bucket": bucket_bytes,
+            "merge": merge_peak, "merge_held": held}
+
+
+if __name__ == "__main__":
+    update.optimizer_step = named_optimizer_step  # grpo_update looks it up at each call
+    torch.set_num_threads(1)
+    for name, spec in json.loads(sys.argv[1]).items():
+        build(spec["model"], spec["shape"])
+        print(json.dumps({"name": name, **measure(spec)}), flush=True)
