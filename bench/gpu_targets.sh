@@ -7,9 +7,12 @@
 # 300 completion tokens (300 stands for a trained model's shorter GSM8K answers); 7b-700: Qwen2.5-7B-shaped, LoRA,
 # --gradient_checkpointing, at 700. Each writes OUT_DIR/NAME.json (the bench's JSON line: the step, its split,
 # MFU and HFU, the update's phases, memory beside the plan) and OUT_DIR/NAME.log, under a timeout of its own.
-# Three steps each (the first, vLLM's and the allocator's warm-up, is left out of the medians). The 3B run of
-# 2026-11-26 took 293 s with its model cached; a visit that cannot give one command all three runs one name per
-# command. The targets: 3B one step <= 8 s at 700 tokens and MFU >= 25%; 7B LoRA one step <= 10 s at 700.
+# Three steps each: the first (vLLM's and the allocator's warm-up) is left out of the medians, and on CUDA the last
+# is profiled for the GPU's idle seconds and left out too, so the medians are step 2's. Time: the 3B run of
+# 2026-11-26 took 293 s with its model cached (start-up, three ~15 s steps, the final save of weights and
+# optimizer state), so the three together take ~15 minutes, past one device command's 10: give each name a
+# command of its own (3b-700 first). The targets: 3B one step <= 8 s at 700 tokens and MFU >= 25%; 7B LoRA one
+# step <= 10 s at 700.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash bench/gpu_targets.sh OUT_DIR [3b-700 3b-300 7b-700]}
