@@ -23,12 +23,13 @@ import threading
 import time
 
 import bottle
+import torch
 
 from simple_grpo.flags import parse_flags
-from simple_grpo.logprobs import reference_group_logps
-from simple_grpo.protocol import encode
-from simple_grpo.reference.config import ServerConfig, load_model
-from simple_grpo.reference.http_server import add_token_check_and_health, answer, read_rollout, serve, wait_seconds
+from simple_grpo.logprobs import load_reference, sequence_logps
+from simple_grpo.protocol import ServerConfig, encode
+from simple_grpo.reference.http_server import (add_token_check_and_health, answer, check_exposure, read_rollout, serve,
+                                               wait_seconds)
 
 
 def ref_worker(model, todo, done, stats, lock):
@@ -38,8 +39,10 @@ def ref_worker(model, todo, done, stats, lock):
         size, tensors, meta = todo.get()
         try:
             t0 = time.time()
-            tensors["ref_logps"] = reference_group_logps(model, tensors["prompt_ids"], tensors["completion_ids"],
-                                                         meta.get("temperature", 1.0))
+            prompt = tensors["prompt_ids"].to(model.device)[None]  # (1, P): the group's one prompt, unpadded
+            logps = sequence_logps(model, prompt, torch.ones_like(prompt), tensors["completion_ids"].to(model.device),
+                                   meta.get("temperature", 1.0))  # (G, C)
+            tensors["ref_logps"] = logps.float().cpu()
             stats["ref_s"] += time.time() - t0  # the reference forward's seconds, for bench/gpu_scale.py
             dropped = done.put(meta.get("run_id"), (size, encode(tensors, meta)))  # waits while trainers are behind
             with lock:
@@ -131,8 +134,8 @@ def make_app(model, cfg: ServerConfig):
 
 
 def main(cfg: ServerConfig):
-    model = load_model(cfg)
-    serve(make_app(model, cfg), cfg)
+    check_exposure(cfg)  # an address beyond loopback needs a token: refused before the model loads
+    serve(make_app(load_reference(cfg), cfg), cfg)
 
 
 if __name__ == "__main__":

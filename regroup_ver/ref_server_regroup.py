@@ -30,11 +30,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the main code, one level up
 from grpo_math import completion_mask, group_advantages  # noqa: E402
 from simple_grpo.flags import flag, parse_flags  # noqa: E402
-from simple_grpo.logprobs import reference_group_logps  # noqa: E402
-from simple_grpo.protocol import encode  # noqa: E402
-from simple_grpo.reference.config import ServerConfig, load_model  # noqa: E402
-from simple_grpo.reference.http_server import (add_token_check_and_health, answer, read_rollout, serve,  # noqa: E402
-                                               wait_seconds)
+from simple_grpo.logprobs import load_reference, sequence_logps  # noqa: E402
+from simple_grpo.protocol import ServerConfig, encode  # noqa: E402
+from simple_grpo.reference.http_server import (add_token_check_and_health, answer, check_exposure,  # noqa: E402
+                                               read_rollout, serve, wait_seconds)
 
 
 @dataclass
@@ -140,8 +139,10 @@ def make_app(model, tokenizer, cfg: RegroupConfig):
         while True:
             tensors, meta = todo.get()
             try:
-                tensors["ref_logps"] = reference_group_logps(model, tensors["prompt_ids"], tensors["completion_ids"],
-                                                             meta.get("temperature", 1.0))
+                prompt = tensors["prompt_ids"].to(model.device)[None]  # (1, P): as ref_server.py's ref_worker
+                tensors["ref_logps"] = sequence_logps(model, prompt, torch.ones_like(prompt),
+                                                      tensors["completion_ids"].to(model.device),
+                                                      meta.get("temperature", 1.0)).float().cpu()  # (G, C)
                 done.put((meta["policy_version"], encode(tensors, meta)))
             except Exception as e:  # noqa: BLE001 - report, keep serving
                 stats["errors"] += 1
@@ -201,5 +202,6 @@ def make_app(model, tokenizer, cfg: RegroupConfig):
 if __name__ == "__main__":
     from transformers import AutoTokenizer
     config = parse_flags(RegroupConfig, __doc__)
-    serve(make_app(load_model(config), AutoTokenizer.from_pretrained(config.model), config), config,
+    check_exposure(config)
+    serve(make_app(load_reference(config), AutoTokenizer.from_pretrained(config.model), config), config,
           name="regroup ref server")

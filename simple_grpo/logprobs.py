@@ -1,5 +1,5 @@
 """The trainers' fast log-probs: per-token log-probs of completions, and their entropy, for
-grpo_vllm_one.py's update, the reference server (reference_group_logps) and the tools.
+grpo_vllm_one.py's update, the reference server (load_reference, then sequence_logps) and the tools.
 
 grpo_math.completion_logps is the plain version a student reads (one forward, log_softmax, gather);
 sequence_logps computes the same numbers faster and in less memory: a group's prompt runs once and
@@ -7,6 +7,8 @@ its KV cache is copied to the G completions, and the log-softmax goes a chunk of
 (ChunkedLogProbs), never whole, forward or backward.
 """
 import torch
+
+from simple_grpo.devices import auto_device, auto_dtype
 
 
 class ChunkedLogProbs(torch.autograd.Function):
@@ -106,14 +108,19 @@ def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, temperature=1
 
 
 @torch.inference_mode()
-def reference_group_logps(model, prompt_ids, completion_ids, temperature=1.0):
-    """The reference server's computation for one uploaded group: the frozen model's per-token log-probs
-    of the G completions, (G, C) float32 on the CPU. prompt_ids (P,) is the prompt without padding,
-    completion_ids (G, C) the group's completions; both go to the model's device."""
-    device = next(model.parameters()).device
-    prompt = prompt_ids.to(device).unsqueeze(0)  # one prompt, G completions
-    logps = sequence_logps(model, prompt, torch.ones_like(prompt), completion_ids.to(device), temperature)
-    return logps.float().cpu()
+def load_reference(cfg):
+    """The reference server's frozen model (cfg: protocol.ServerConfig), in evaluation mode with no gradients.
+    cfg.device and cfg.dtype "auto" are resolved here: the first visible GPU in bf16, else the CPU in fp32. Its
+    log-probs of an uploaded group are sequence_logps of the group's one prompt and G completions."""
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(cfg.threads)
+    cfg.device = auto_device(cfg.device)
+    cfg.dtype = auto_dtype(cfg.dtype, cfg.device)
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if cfg.dtype not in dtypes:
+        raise SystemExit(f"unknown --dtype {cfg.dtype!r}: use auto, {', '.join(dtypes)}")
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtypes[cfg.dtype]).to(cfg.device).eval()
+    return model.requires_grad_(False)
 
 
 def log_probs_of(logits, token_ids, temperature, impl="torch", entropy=False):

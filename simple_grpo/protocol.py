@@ -1,4 +1,5 @@
-"""The wire between generators, the reference server and trainers: messages, checks, client calls.
+"""The wire between generators, the reference server and trainers: messages, checks, client calls, and the
+server's own flags (ServerConfig: ref_server.py's; regroup_ver/'s server extends them).
 
 A message is safetensors bytes: named tensors plus a small JSON dict in the safetensors
 header's metadata. safetensors parses nothing but a JSON header and raw numbers, so bytes
@@ -10,10 +11,13 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass
 
 import requests
 import torch
 from safetensors.torch import load, save
+
+from simple_grpo.flags import flag
 
 VERSION = 2  # 2: vLLM's log-probs travel as sampler_logps (1 called them old_logps)
 TOKEN_ENV = "SIMPLE_GRPO_TOKEN"  # the shared secret, when the server listens beyond loopback
@@ -195,3 +199,22 @@ def reference_logps_from_server(cfg, run_id, prompt_ids, prompt_mask, completion
                              "second trainer using this run's id?")
         ref_logps[q * G:(q + 1) * G, :got["ref_logps"].size(1)] = got["ref_logps"]
     return ref_logps
+
+
+# ---------------------------------------------------------------------------- the reference server's flags
+@dataclass
+class ServerConfig:
+    model: str = flag("models/tiny-math", "the reference model (usually the policy's starting point)")
+    host: str = flag("127.0.0.1", "the address to listen on: loopback only unless told otherwise")
+    token: str = flag("", "shared secret every request must carry (default: $SIMPLE_GRPO_TOKEN); needed off loopback")
+    port: int = flag(DEFAULT_PORT, "the port to listen on")
+    device: str = flag("auto", "where the reference model runs: auto (the first visible GPU, else cpu), cpu, "
+                               "cuda, cuda:1, ...")
+    dtype: str = flag("auto", "auto (bfloat16 on a GPU, float32 on a CPU), float32, bfloat16 or float16")
+    threads: int = flag(1, "CPU threads for the reference forward pass")
+    max_queue: int = flag(256, "groups waiting in each direction; /upload answers 503 when full")
+    max_queue_mb: int = flag(512, "... or when the uploads held in the queues pass this many MB")
+    max_body_mb: int = flag(16, "the largest upload, in MB")
+    max_group_size: int = flag(256, "the most completions in one group")
+    max_connections: int = flag(64, "connections served at once; more get 429 and are closed")
+    conn_timeout: float = flag(60.0, "seconds a connection may stay open: slow or stalled senders are cut off")

@@ -8,7 +8,7 @@ import pytest
 import grpo_train
 import grpo_vllm_one
 from simple_grpo.flags import parse_flags
-from simple_grpo.reference.config import ServerConfig
+from simple_grpo.protocol import ServerConfig
 from simple_grpo.trainer.config import default_ref_url
 
 

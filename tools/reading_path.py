@@ -32,7 +32,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD = os.path.join(ROOT, "tools", "reading_path.json")
 RUN_NAME = "reading_path_trace"
-CONFIG_CLASSES = (("simple_grpo.task.config", "DataConfig"), ("simple_grpo.reference.config", "ServerConfig"))
+CONFIG_CLASSES = (("simple_grpo.task.config", "DataConfig"), ("simple_grpo.protocol", "ServerConfig"))
 
 # entered, not counted: (file, or file:function, why). A function listed here is left out with what it calls
 # from files of its own (the trace notes who called whom).

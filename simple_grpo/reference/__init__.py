@@ -1,2 +1,3 @@
-"""The reference server's parts (ref_server.py is the server): its flags and the frozen model they load
-(config.py), its HTTP side (http_server.py), and which model it serves (fingerprint.py)."""
+"""The reference server's parts (ref_server.py is the server; its flags, ServerConfig, are in protocol.py and the
+frozen model's loading, load_reference, in logprobs.py): its HTTP side (http_server.py), and which model it serves
+(fingerprint.py)."""

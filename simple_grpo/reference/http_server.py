@@ -8,6 +8,7 @@ import hmac
 import ipaddress
 import json
 import math
+import os
 import socket
 import sys
 import threading
@@ -19,7 +20,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 import bottle
 
 from simple_grpo.devices import physical_gpu
-from simple_grpo.protocol import check_rollout, decode
+from simple_grpo.protocol import TOKEN_ENV, check_rollout, decode
 from simple_grpo.reference.fingerprint import model_fingerprint
 
 
@@ -160,6 +161,15 @@ def is_loopback(host):
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def check_exposure(cfg):
+    """cfg.token from $SIMPLE_GRPO_TOKEN where no --token is given; an address beyond loopback is refused without
+    one. Called first, before the model loads."""
+    cfg.token = cfg.token or os.environ.get(TOKEN_ENV, "")
+    if not is_loopback(cfg.host) and not cfg.token:
+        raise SystemExit(f"refusing to listen on {cfg.host} without a token: anyone who reaches it could feed "
+                         f"the trainer. Set --token or {TOKEN_ENV} (trainers pass it as --ref_token).")
 
 
 def serve(app, cfg, name="ref server"):
