@@ -125,7 +125,7 @@ def main(cfg: Config):
 
         # GRPO 2. score them; group-relative advantages; keep the groups with a non-zero advantage
         rewards, scores = score_groups(texts, batch_problems, G, reward_weights)  # (Q*G,), a breakdown each
-        advantages = group_advantages(rewards, G, cfg.scale_rewards, estimator=cfg.advantage_estimator,
+        advantages = group_advantages(rewards, G, cfg.scale_rewards, cfg.advantage_eps, cfg.advantage_estimator,
                                       correct=correct_rows(scores, reward_weights)).float()  # raft: the correct ones
         has_signal = groups_with_signal(advantages, G)  # (Q,): GRPO: the rewards differ
         truncated = is_truncated(completion_ids, stop_ids)  # (Q*G,): cut off at --max_new_tokens

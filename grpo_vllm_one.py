@@ -127,7 +127,7 @@ def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
                 "temperature": cfg.temperature, "worker": worker}
         groups, has_signal = make_groups(prompt_rows, completion_ids, until_stop, rewards, G, meta, sampler_logps,
                                          keep_equal=cfg.regroup, scale_rewards=cfg.scale_rewards, scores=scores,
-                                         estimator=cfg.advantage_estimator,
+                                         estimator=cfg.advantage_estimator, eps=cfg.advantage_eps,
                                          correct=correct_rows(scores, reward_weights))  # raft: the correct ones
         generated += completion_ids.size(0)
         truncated = is_truncated(completion_ids, stop_ids)  # (Q*G,): cut off at --max_new_tokens

@@ -182,8 +182,8 @@ def reference_logps_from_server(cfg, run_id, prompt_ids, prompt_mask, completion
     the same numbers as grpo_math.completion_logps of the frozen reference model in evaluation mode, in
     the server's --dtype (tests/test_ref_server.py). Each prompt's group goes as one upload (the prompt
     without its padding, the completions cut after the group's longest: until_stop (Q*G, C) is 1 up to
-    each one's first stop token); then the Q answers are taken back, first in, first out (one poll each),
-    and padded back to (Q*G, C) with 0. waiting(group, waited_s) runs while it waits."""
+    each one's first stop token); then the Q answers are taken back, first in, first out (take_group polls
+    for each until it is ready), and padded back to (Q*G, C) with 0. waiting(group, waited_s) runs while it waits."""
     Q, G = prompt_ids.size(0), completion_ids.size(0) // prompt_ids.size(0)
     groups = []
     for q in range(Q):

@@ -25,15 +25,15 @@ def correct_rows(scores, weights):
 
 
 def make_groups(prompt_rows, completion_ids, until_stop, rewards, G, meta, sampler_logps=None, keep_equal=False,
-                scale_rewards="group", scores=None, estimator="grpo", correct=None):
+                scale_rewards="group", scores=None, estimator="grpo", correct=None, eps=1e-4):
     """One group (tensors, meta) per prompt with a non-zero advantage, ready to post, and has_signal (Q,).
     A group whose advantages are all 0 (GRPO: its rewards are all equal) has no policy-gradient signal,
     though with beta > 0 its KL term would still pull towards the reference. Dropping it is a choice (TRL
     keeps it), which saves its compute; keep_equal keeps it (regroup_ver/ pools it with other answers to the
-    same question). estimator: grpo_math.group_advantages's (grpo, or raft, which needs correct: correct_rows).
+    same question). estimator, eps: grpo_math.group_advantages's (grpo, or raft, which needs correct: correct_rows).
     scores: each completion's reward breakdown (task/rewards.py's score), carried in the group's meta for the
     completions log."""
-    advantages = group_advantages(rewards, G, scale_rewards, estimator=estimator, correct=correct)
+    advantages = group_advantages(rewards, G, scale_rewards, eps, estimator, correct)
     has_signal = groups_with_signal(advantages, G)
     groups = []
     for q in torch.nonzero(has_signal | keep_equal).flatten().tolist():

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from grpo_math import grpo_loss
+from grpo_math import group_advantages, grpo_loss
 from simple_grpo.trainer.update import loss_options
 from tools.reading_path import RECORD, left_out_why
 
@@ -112,6 +112,9 @@ def test_the_loss_options_of_a_default_step_are_the_defaults_help_lists_and_grpo
             assert signature[option].default is None
         else:
             assert signature[option].default == getattr(Config, name), option
+    # the advantages' epsilon: the flag's default is group_advantages' own, and --help lists it
+    assert inspect.signature(group_advantages).parameters["eps"].default == Config.advantage_eps
+    assert all(same(Config.advantage_eps, helps[script]["advantage_eps"][1]) for script in TRAINERS)
 
 
 def test_every_config_field_the_traced_default_step_reads_is_a_flag_with_its_default_in_help(helps):

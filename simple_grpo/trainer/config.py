@@ -45,6 +45,8 @@ class TrainerConfig(TaskConfig):
                                             "completion, 0 else (RAFT: supervised training on the model's own "
                                             "right answers; grpo_math.group_advantages)")
     scale_rewards: str = flag("", "advantage scale: group, batch or none (default: group; none for dr_grpo)")
+    advantage_eps: float = flag(1e-4, "added to the std the advantages are divided by: a group whose rewards are "
+                                      "all equal gets 0, not 0 / 0 (TRL's and simple_GRPO's 1e-4)")
     mask_truncated_completions: bool = flag(False, "completions cut off without a stop token get no gradient")
     lr: Optional[float] = flag(None, "AdamW's learning rate; None: the model's, 1e-4 for the tiny default model and "
                                      "1e-6 (TRL's) for any other, as pretrained models in full want (their LoRA "
