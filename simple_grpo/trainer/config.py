@@ -3,9 +3,9 @@
 Every number a default step uses is a field's default here, or in the TaskConfig this extends
 (simple_grpo/task/config.py: G, T, --max_new_tokens), and each trainer's --help lists it: the objective's
 beta and epsilon (grpo_math.grpo_loss, whose keyword defaults are the same), the optimizer's lr, betas,
-eps, weight decay and clip (deepspeed_config.flag_config passes them to DeepSpeed). Only --lr's default
-depends on the model (default_lr below, its two values in --lr's help); one number is not a flag: the 1e-4
-added to a group's reward std (grpo_math.group_advantages's eps, TRL's).
+eps, weight decay and clip (deepspeed_config.flag_config passes them to DeepSpeed), the 1e-4 added to a
+group's reward std (--advantage_eps, grpo_math.group_advantages's eps). Only --lr's default depends on the
+model (default_lr below, its two values in --lr's help).
 
 Each script's Config extends TrainerConfig with the flags that are its own (grpo_vllm_one.py adds the
 generation worker's, simple_grpo/generation/config.py); check_options fills in the defaults that depend
