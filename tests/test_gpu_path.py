@@ -135,7 +135,8 @@ def test_the_chat_templates_turn_end_stops_a_base_model_and_ends_its_mask():
     im_end = base.convert_tokens_to_ids("<|im_end|>")
     ids = stop_token_ids(base)
     assert ids == [base.eos_token_id, im_end]
-    assert stop_token_ids(base, "raw") == [base.eos_token_id]  # no template, no turn end
+    # no template, no turn end; the model's generation config still lists <|im_end|>, where vLLM stops too
+    assert stop_token_ids(base, "raw") == [base.eos_token_id, im_end]
     completion = torch.tensor([[11, 12, im_end, 13, 14]])
     assert completion_mask(completion, ids).tolist() == [[1, 1, 1, 0, 0]]
     assert completion_mask(completion, base.eos_token_id).tolist() == [[1, 1, 1, 1, 1]]  # what EOS alone trained

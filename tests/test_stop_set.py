@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grpo_math import completion_mask, grpo_loss, is_truncated
 from grpo_vllm_one import Config
 from simple_grpo.generation.hf_sampler import generate
-from simple_grpo.generation.vllm_sampler import sample, start_vllm, stop_vllm
+from simple_grpo.generation.vllm_sampler import sample, start_vllm
 from simple_grpo.logprobs import sequence_logps
 from simple_grpo.run.doctor import RunDoctor, sampler_gap_details
 from simple_grpo.task.problems import chat_prompt, load_jsonl, stop_token_ids
@@ -73,18 +73,16 @@ def test_the_stop_set_holds_the_generation_configs_eos_ids(model_dir):
 
 
 def sampled(model_dir, dtype):
-    """vLLM's completions of 4 prompts x 4 with the whole stop set, and what sample says when given the tokenizer's
-    EOS alone: (cfg, tokenizer, prompt_rows, completion_ids, sampler_logps, the refusal)."""
+    """vLLM's completions of 4 prompts x 4 with the whole stop set (vLLM's seed: cfg.seed), and what sample says when
+    given the tokenizer's EOS alone: (cfg, tokenizer, prompt_rows, completion_ids, sampler_logps, the refusal)."""
     cfg = config(model_dir, dtype)
+    # not stopped (stop_vllm): its clean-up destroys the process group, which DeepSpeed engines made later in
+    # this pytest process would still use (tests/test_trainer_options.py); the engine ends with the process
     llm = start_vllm(cfg, max_seqs=16)
-    try:
-        tok = llm.get_tokenizer()
-        torch.manual_seed(0)
-        prompt_rows, completion_ids, sampler_logps = sample(llm, prompts(tok), cfg)  # stop_ids: cfg.model's
-        with pytest.raises(RuntimeError) as refused:
-            sample(llm, prompts(tok), cfg, stop_ids=[tok.eos_token_id])
-    finally:
-        stop_vllm(llm)
+    tok = llm.get_tokenizer()
+    prompt_rows, completion_ids, sampler_logps = sample(llm, prompts(tok), cfg)  # stop_ids: cfg.model's
+    with pytest.raises(RuntimeError) as refused:
+        sample(llm, prompts(tok), cfg, stop_ids=[tok.eos_token_id])
     return cfg, tok, prompt_rows, completion_ids, sampler_logps, str(refused.value)
 
 
