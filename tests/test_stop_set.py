@@ -12,15 +12,17 @@ import dataclasses
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_math import completion_mask, grpo_loss, is_truncated
 from grpo_vllm_one import Config
 from simple_grpo.generation.hf_sampler import generate
-from simple_grpo.generation.vllm_sampler import sample, start_vllm
 from simple_grpo.logprobs import sequence_logps
 from simple_grpo.run.doctor import RunDoctor, sampler_gap_details
 from simple_grpo.task.problems import chat_prompt, load_jsonl, stop_token_ids
@@ -72,23 +74,50 @@ def test_the_stop_set_holds_the_generation_configs_eos_ids(model_dir):
     assert stop_token_ids(AutoTokenizer.from_pretrained(TINY)) == [tok.eos_token_id]  # the tiny default: EOS alone
 
 
-def sampled(model_dir, dtype):
+# vLLM runs in a process of its own: an engine in this one, stopped or collected, destroys the torch.distributed
+# group that in-process DeepSpeed engines made earlier in the suite still hold (tests/test_trainer_options.py)
+SAMPLE = """
+import json, sys
+from safetensors.torch import save_file
+from grpo_vllm_one import Config
+from simple_grpo.generation.vllm_sampler import sample, start_vllm
+from simple_grpo.task.problems import chat_prompt, load_jsonl
+cfg = Config(**json.loads(sys.argv[1]))
+llm = start_vllm(cfg, max_seqs=16)
+tok = llm.get_tokenizer()
+prompts = [chat_prompt(tok, p["question"]) for p in load_jsonl(cfg.dataset)[:4]]
+prompt_rows, completion_ids, sampler_logps = sample(llm, prompts, cfg)  # stop_ids: cfg.model's
+try:
+    sample(llm, prompts, cfg, stop_ids=[tok.eos_token_id])
+    refusal = ""
+except RuntimeError as e:
+    refusal = str(e)
+tensors = {f"prompt_{i}": row for i, row in enumerate(prompt_rows)}
+save_file({**tensors, "completion_ids": completion_ids, "sampler_logps": sampler_logps}, sys.argv[2],
+          metadata={"refusal": refusal})
+"""
+
+
+def sampled(model_dir, dtype, tmp_path):
     """vLLM's completions of 4 prompts x 4 with the whole stop set (vLLM's seed: cfg.seed), and what sample says when
     given the tokenizer's EOS alone: (cfg, tokenizer, prompt_rows, completion_ids, sampler_logps, the refusal)."""
     cfg = config(model_dir, dtype)
-    # not stopped (stop_vllm): its clean-up destroys the process group, which DeepSpeed engines made later in
-    # this pytest process would still use (tests/test_trainer_options.py); the engine ends with the process
-    llm = start_vllm(cfg, max_seqs=16)
-    tok = llm.get_tokenizer()
-    prompt_rows, completion_ids, sampler_logps = sample(llm, prompts(tok), cfg)  # stop_ids: cfg.model's
-    with pytest.raises(RuntimeError) as refused:
-        sample(llm, prompts(tok), cfg, stop_ids=[tok.eos_token_id])
-    return cfg, tok, prompt_rows, completion_ids, sampler_logps, str(refused.value)
+    out = str(tmp_path / f"sampled_{dtype}.safetensors")
+    done = subprocess.run([sys.executable, "-c", SAMPLE, json.dumps({"model": model_dir, "dataset": DATA,
+                           "dtype": dtype, "batch_prompts": 4, "num_generations": 4, "max_new_tokens": 48}), out],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with safe_open(out, "pt") as f:
+        refusal = f.metadata()["refusal"]
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    prompt_rows = [tensors[f"prompt_{i}"] for i in range(4)]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return cfg, tok, prompt_rows, tensors["completion_ids"], tensors["sampler_logps"], refusal
 
 
 @pytest.fixture(scope="module")
-def bf16(model_dir):
-    return sampled(model_dir, "bfloat16")
+def bf16(model_dir, tmp_path_factory):
+    return sampled(model_dir, "bfloat16", tmp_path_factory.mktemp("bf16"))
 
 
 def trainer_logps(cfg, prompt_rows, completion_ids, pad_id, noise=0.0):
@@ -134,8 +163,8 @@ def test_vllm_completions_end_where_the_masks_end_them_and_match_the_trainer_in_
 
 
 @pytest.mark.slow  # ~25 s: a vLLM start of its own
-def test_vllm_completions_end_where_the_masks_end_them_and_match_the_trainer_in_fp32(model_dir):
-    check_vllm_against_the_masks(model_dir, "float32", sampled(model_dir, "float32"))
+def test_vllm_completions_end_where_the_masks_end_them_and_match_the_trainer_in_fp32(model_dir, tmp_path):
+    check_vllm_against_the_masks(model_dir, "float32", sampled(model_dir, "float32", tmp_path))
 
 
 # ---------------------------------------------------------------------------- the run doctor's mismatch rule
