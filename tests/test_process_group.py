@@ -32,3 +32,25 @@ def test_a_finished_run_leaves_no_process_group_open(tmp_path, trainer):
     assert reports, "no process of the run reported at exit"
     left_open = {path.name: path.read_text() for path in reports if path.read_text() == "True"}
     assert not left_open, f"processes that exited with a process group open: {left_open}"
+
+
+SECOND_ENGINE = """
+import torch
+from grpo_train import Config
+from simple_grpo.trainer.config import check_options
+from simple_grpo.trainer.deepspeed_engine import make_engine
+cfg = Config(beta=0.0)
+check_options(cfg)
+make_engine(cfg)
+torch.distributed.destroy_process_group()  # as a run's leave_process_group, or vLLM's clean-up, does
+make_engine(cfg)
+print("second engine made")
+"""
+
+
+def test_a_second_engine_in_one_process_after_the_group_was_destroyed():
+    """DeepSpeed keeps a clone of the first engine's world group; a destroyed group's clone made the next engine in
+    the same process fail ("Group ... is not registered"): make_engine forgets it."""
+    out = subprocess.run([sys.executable, "-c", SECOND_ENGINE], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0 and "second engine made" in out.stdout, out.stderr[-3000:]
