@@ -4,10 +4,13 @@ the same GPU, on the other training problems' final answers (as the CPU study's 
 8 x 8 batch; greedy accuracy on the test problems before and after, the paired gain with its 95% interval, seconds
 a step, and the sampler gap (vLLM against the trainer) on real weights.
 
-    python tools/gpu_real.py --start .cache/models/SmolLM2-135M-Instruct-warm-KEY --steps 200   # on a GPU
+    python tools/gpu_real.py --start .cache/models/SmolLM2-135M-Instruct-warm-KEY --minutes 5   # on a GPU
     python tools/gpu_real.py --start models/tiny-math --system_prompt "" --n 16 --steps 2 --dtype float32 \
         -- --batch_prompts 2 --num_generations 4 --max_new_tokens 16                            # its tiny CPU form
 
+--minutes M bounds the training to M minutes, start-up included: the trainer saves a checkpoint every --save_every
+steps and is stopped (SIGTERM) when the time is up; the last checkpoint it saved is the one evaluated, and the report
+says how many steps that was. A visit to a lent GPU has a fixed budget and no measured s/step yet: this bounds it.
 The start is made on the build machine (`make demo-real SETTING=answers`, ~50 min on 2 cores; its directory is
 printed there) and carried to the GPU machine with ../shared/gpu's MODEL=DIR. Flags after -- go to the trainer and
 win over this tool's. The evaluations and the data go to runs/RUN_NAME/, the trainer's run to runs/RUN_NAME_grpo/.
@@ -19,12 +22,13 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from simple_grpo.evaluation import paired_gain, print_before_after, read_details  # noqa: E402
-from tools.launch import ROOT, TEST, child_env, evaluate, git_commit, run_child, trained_checkpoint  # noqa: E402
+from tools.launch import ROOT, TEST, child_env, evaluate, git_commit, stop, trained_checkpoint  # noqa: E402
 from tools.smollm2_recipe import EVAL_FLAGS, MAX_NEW_TOKENS, SYSTEM_PROMPT, write_answers_only  # noqa: E402
 
 KEEP = ("accuracy", "accuracy_strict", "format_rate", "mean_tokens", "n")
@@ -36,8 +40,26 @@ def trainer_flags(args, answers_only):
     prompt = ["--system_prompt", args.system_prompt] if args.system_prompt else []
     return ["grpo_vllm_one.py", "--model", args.start, "--dataset", answers_only, *prompt, "--dtype", args.dtype,
             "--lr", str(args.lr), "--beta", "0", "--batch_prompts", "8", "--num_generations", "8",
-            "--max_new_tokens", str(MAX_NEW_TOKENS), "--steps", str(args.steps), "--save_every", str(args.steps),
+            "--max_new_tokens", str(MAX_NEW_TOKENS), "--steps", str(args.steps),
+            "--save_every", str(args.save_every or (25 if args.minutes else args.steps)),
             "--seed", str(args.seed), "--run_name", args.run_name + "_grpo", "--overwrite", *args.train_args]
+
+
+def train(command, env, minutes):
+    """grpo_vllm_one.py as a child process, stopped with us; with minutes > 0, stopped (SIGTERM: it stops its vLLM
+    worker on the way out) once that many minutes have passed. Returns whether the time limit stopped it."""
+    proc = subprocess.Popen([sys.executable, *command], cwd=ROOT, env=env)
+    try:
+        proc.wait(timeout=minutes * 60 if minutes > 0 else None)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        print(f"gpu_real: {minutes} minutes are up: stopping the trainer; its last checkpoint is evaluated", flush=True)
+        timed_out = True
+    finally:
+        stop(proc)
+    if not timed_out and proc.returncode != 0:
+        raise SystemExit(f"grpo_vllm_one.py failed with exit code {proc.returncode}")
+    return timed_out
 
 
 def run_figures(run_dir):
@@ -58,6 +80,10 @@ def main():
     ap.add_argument("--start", required=True, help="the supervised start's directory (make demo-real SETTING=answers)")
     ap.add_argument("--steps", type=int, default=200, help="GRPO steps (about 5 minutes' worth on an H100: pick "
                                                              "from a first short run's s_per_step)")
+    ap.add_argument("--minutes", type=float, default=0, help="stop the training after this many minutes, start-up "
+                                                              "included, and evaluate its last checkpoint (0: no limit)")
+    ap.add_argument("--save_every", type=int, default=0, help="steps between checkpoints (0: 25 with --minutes, else "
+                                                              "one at the end); with --minutes the last saved is evaluated")
     ap.add_argument("--lr", type=float, default=1e-6, help="full fine-tuning's learning rate (the run doctor's usual "
                                                             "figure for a real model; not tuned for this one)")
     ap.add_argument("--dtype", default="bfloat16", help="the trainer's and vLLM's precision")
@@ -83,7 +109,7 @@ def main():
     start = evaluate(args.start, env, TEST, [*eval_args, "--details", details["start"]])
     print(f"\n== 2/3 GRPO, full fine-tuning in {args.dtype}, {args.steps} steps of 8 x 8", flush=True)
     command = trainer_flags(args, answers_only)
-    run_child(command, env, "grpo_vllm_one.py")
+    stopped = train(command, env, args.minutes)
     checkpoint, steps = trained_checkpoint(run_dir + "_grpo")
     print(f"\n== 3/3 after {steps} steps, greedy on the same problems", flush=True)
     after = evaluate(checkpoint, env, TEST, [*eval_args, "--details", details["after"]])
@@ -92,7 +118,7 @@ def main():
     report = {"start": {k: start[k] for k in KEEP}, "after": {k: after[k] for k in KEEP},
               "gain": {"points": round(100 * gain["gain"], 1),
                        "ci95": [round(100 * g, 1) for g in gain["ci95"]], "won": gain["won"], "lost": gain["lost"]},
-              "steps": steps, **run_figures(run_dir + "_grpo"), "minutes": round((time.time() - t0) / 60, 2),
+              "steps": steps, "stopped_by_time": stopped, **run_figures(run_dir + "_grpo"), "minutes": round((time.time() - t0) / 60, 2),
               "commit": git_commit(), "trainer_flags": command}
     with open(os.path.join(run_dir, "report.json"), "w") as f:
         json.dump(report, f, indent=1)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Issue 65's first visit, on a lent GPU machine once ../shared/gpu's bundle (built with MODEL=the supervised start
+# in bf16) is stashed: a real model, SmolLM2-135M-Instruct's supervised start, trained by grpo_vllm_one.py in full,
+# bf16, vLLM on the same GPU, for MINUTES minutes (start-up included), evaluated greedily before and after.
+#
+#     source .gpu-carry/pN/on_gpu.sh install && COMMIT=... MINUTES=5 bash tools/gpu_visit_real.sh
+#
+# Everything it keeps goes to $OUT (the device tool's folder that comes back): the report, the trainer's
+# metrics.jsonl, both evaluations' details, the logs' tails and nvidia-smi's view. Each command has its own timeout.
+set -u
+: "${OUT:?set OUT to the folder that comes back}"
+MINUTES=${MINUTES:-5}
+START=/tmp/b/models/$(ls /tmp/b/models | head -1)
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+echo "gpu_visit_real: commit ${COMMIT:-unknown}, start $START, $MINUTES minutes of training, $(date -u)" | tee "$OUT/visit.txt"
+timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$OUT/visit.txt" 2>&1
+t0=$SECONDS
+timeout $((MINUTES * 60 + 240)) python3 tools/gpu_real.py --start "$START" --minutes "$MINUTES" --steps 5000 \
+    --lr "${LR:-2e-6}" > "$OUT/real.out" 2> "$OUT/real.log"
+echo "gpu_real.py: exit $? in $((SECONDS - t0)) s" | tee -a "$OUT/visit.txt"
+tail -c 200000 "$OUT/real.log" > "$OUT/real.log.tail" && rm "$OUT/real.log"
+cp runs/gpu_real_seed0_grpo/metrics.jsonl "$OUT/metrics.jsonl" 2>/dev/null
+for f in runs/gpu_real_seed0/report.json runs/gpu_real_seed0/eval_start.jsonl runs/gpu_real_seed0/eval_after.jsonl; do
+    cp "$f" "$OUT/" 2>/dev/null
+done
+tail -30 "$OUT/real.out"
