@@ -56,7 +56,7 @@ def decode(body: bytes):
 def check_rollout(tensors, meta, vocab_size, max_len, max_group_size):
     """Raise ValueError naming the problem unless this is a well-formed group of rollouts:
     prompt_ids (P,) and completion_ids (G, C) int64 in the vocabulary, P + C <= max_len,
-    optional rewards and advantages (G,) and sampler_logps (G, C), finite floats,
+    optional rewards and advantages (G,) and sampler_logps (G, C) (NO_LOGP where vLLM gave none), finite floats,
     meta with an integer policy_version and a positive finite temperature."""
     unknown = set(tensors) - set(ROLLOUT_TENSORS) - set(OPTIONAL_TENSORS)
     if unknown:

@@ -7,6 +7,7 @@ Shapes: Q prompts, G completions each (Q*G rows, group after group), P prompt an
 import torch
 
 from grpo_math import group_advantages, groups_with_signal
+from simple_grpo.generation.vllm_sampler import NO_LOGP
 from simple_grpo.task.rewards import pick_accuracy_reward, score, true_answer
 
 
@@ -67,8 +68,8 @@ def rollout_stats(rewards, scores, until_stop, has_signal, gen_s, truncated, acc
 
 
 def collate(groups, pad_id):
-    """One batch from finished groups: one left-padded prompt row per group (Q, P), and the
-    groups' completions right-padded, group after group (Q*G, C), with their per-token tensors."""
+    """One batch from finished groups: one left-padded prompt row per group (Q, P), and the groups' completions
+    right-padded, group after group (Q*G, C), with their per-token tensors (sampler_logps padded with NO_LOGP)."""
     P = max(g["prompt_ids"].numel() for g in groups)
     C = max(g["completion_ids"].size(1) for g in groups)
     per_token = [k for k in ("ref_logps", "sampler_logps") if all(k in g for g in groups)]  # beta 0: no ref_logps
@@ -79,6 +80,7 @@ def collate(groups, pad_id):
         rows["prompt_mask"].append((torch.arange(P) >= P - p.numel()).long()[None])
         rows["completion_ids"].append(torch.nn.functional.pad(c, (0, C - c.size(1)), value=pad_id))
         for k in per_token:
-            rows[k].append(torch.nn.functional.pad(g[k], (0, C - c.size(1))))
+            pad = NO_LOGP if k == "sampler_logps" else 0.0
+            rows[k].append(torch.nn.functional.pad(g[k], (0, C - c.size(1)), value=pad))
         rows["advantages"].append(g["advantages"])
     return {k: torch.cat(v) for k, v in rows.items()}

@@ -4,7 +4,7 @@ beside <|im_end|>, and the random-weight bench models Qwen's 151643). vLLM stops
 ids it is given; a mask that did not know them ran over the padding, trained the padded tail with the
 completion's advantage, and compared it with sampler log-probs of 0 (the 12-17 nat gaps of the first 7B run).
 The run doctor's mismatch rule names what it sees on the same batch: quiet when healthy, loud when the weights
-never reached vLLM or the stop sets disagree.
+never reached vLLM or the stop sets disagree, and a token vLLM is sure of (log-prob 0.0) is not its padding.
 
 The tiny model, copied with a generation config whose eos ids are [EOS, </think>]: every completion of the
 warm-started tiny model writes </think>, so each one ends there, long before --max_new_tokens."""
@@ -147,8 +147,8 @@ def check_vllm_against_the_masks(model_dir, dtype, batch):
     assert ends_where_the_mask_ends(completion_ids, mask, stop_ids, tok.pad_token_id) > 0  # some at </think>
     logps = trainer_logps(cfg, prompt_rows, completion_ids, tok.pad_token_id)
     gap = ((logps - sampler_logps).abs() * mask)
-    # the mask the trainer made before: EOS and the turn end alone, past </think> over the padding, where vLLM's
-    # log-probs are 0 and the trainer's those of padding tokens
+    # the mask the trainer made before: EOS and the turn end alone, past </think> over the padding, where vLLM gave
+    # no log-prob (NO_LOGP) and the trainer's are those of padding tokens
     old_mask = completion_mask(completion_ids, stop_token_ids(AutoTokenizer.from_pretrained(TINY)))
     old_gap = ((logps - sampler_logps).abs() * old_mask)
     print(f"{dtype}: sampler gap mean {gap.sum().item() / mask.sum().item():.2e}, max {gap.max().item():.2e}; "
@@ -206,19 +206,62 @@ def test_the_doctor_names_weights_that_did_not_reach_vllm(tmp_path, model_dir, b
     assert "weights reach vLLM" in message and "stop-set" not in message
 
 
+def past_vllms_end(tok, cfg, completion_ids):
+    """The trainer's masks built from the tokenizer's EOS alone, and the kept tokens past where vLLM ended a
+    completion (at </think>): tokens vLLM never sampled. (B, C) each."""
+    mask = completion_mask(completion_ids, [tok.eos_token_id])
+    vllms = completion_mask(completion_ids, stop_token_ids(tok, cfg.prompt_format, cfg.model))
+    return mask, mask.bool() & ~vllms.bool()
+
+
 def test_the_doctor_names_a_stop_set_disagreement(tmp_path, model_dir, bf16):
     """The trainer's masks built from the tokenizer's EOS alone, vLLM's completions ended at </think> too: the
     masks run over vLLM's padding, where it reported no log-prob."""
     cfg, tok, prompt_rows, completion_ids, sampler_logps, _ = bf16
-    mask = completion_mask(completion_ids, [tok.eos_token_id])
+    mask, past = past_vllms_end(tok, cfg, completion_ids)
+    assert past.any() and (sampler_logps[past] > 0).all()  # vLLM's padding: a value no log-prob can be
     logps = trainer_logps(cfg, prompt_rows, completion_ids, tok.pad_token_id)
     record, message = doctor_verdict(tmp_path, cfg, completion_ids, mask, logps, sampler_logps,
                                      torch.randn(completion_ids.size(0)))
     print(message)
-    assert message is not None and record["sampler_gap_unreported"] > 0
-    assert record["sampler_gap_token"] == tok.pad_token_id and record["sampler_gap_sampler_logp"] == 0.0
+    assert message is not None and record["sampler_gap_unreported"] == int(past.sum())
+    assert record["sampler_gap_sampler_logp"] <= 0  # the largest gap is one between two log-probs
     assert f"{record['sampler_gap_unreported']} kept tokens have no vLLM log-prob" in message
-    assert "stop-set disagreement" in message and f"token id {tok.pad_token_id}" in message
+    assert "stop-set disagreement" in message
+
+
+def test_a_kept_token_vllm_never_sampled_is_a_stop_set_disagreement_whatever_the_trainer_gives_it(
+        tmp_path, model_dir, bf16):
+    """A model may well be sure of the token after a stop (an <|endoftext|> after Qwen's <|im_end|>): the kept
+    tokens past vLLM's end are named with the trainer's log-probs of them near 0 too."""
+    cfg, tok, prompt_rows, completion_ids, sampler_logps, _ = bf16
+    mask, past = past_vllms_end(tok, cfg, completion_ids)
+    logps = trainer_logps(cfg, prompt_rows, completion_ids, tok.pad_token_id).masked_fill(past, -0.5)
+    record, message = doctor_verdict(tmp_path, cfg, completion_ids, mask, logps, sampler_logps,
+                                     torch.randn(completion_ids.size(0)))
+    print(message)
+    assert message is not None and record["sampler_gap_unreported"] == int(past.sum())
+    assert "stop-set disagreement" in message
+
+
+def test_a_token_vllm_is_sure_of_is_no_stop_set_disagreement(tmp_path, model_dir, bf16):
+    """vLLM reports a log-prob of exactly 0.0 for a token it is sure of (bf16 rounding): a log-prob, not its
+    padding. One such token that the trainer gives less than e^-1 is one outlier token, not a stop-set
+    disagreement: the doctor stays quiet (the batch's mean gap is small)."""
+    cfg, tok, prompt_rows, completion_ids, sampler_logps, _ = bf16
+    mask = completion_mask(completion_ids, stop_token_ids(tok, cfg.prompt_format, cfg.model))
+    sure = mask.bool() & (sampler_logps == 0.0)
+    print(f"{int(sure.sum())} of {int(mask.sum())} kept tokens have a vLLM log-prob of 0.0")
+    assert sure.any()
+    row, pos = sure.nonzero()[0].tolist()
+    logps = trainer_logps(cfg, prompt_rows, completion_ids, tok.pad_token_id)
+    logps[row, pos] = -1.5  # the trainer's log-prob of that token, below -1
+    record, message = doctor_verdict(tmp_path, cfg, completion_ids, mask, logps, sampler_logps,
+                                     torch.randn(completion_ids.size(0)))
+    assert record["sampler_gap_unreported"] == 0, message
+    assert record["sampler_gap_rows"] == 1 and record["sampler_gap_pos"] == pos
+    assert record["sampler_gap_sampler_logp"] == 0.0 and record["sampler_gap_trainer_logp"] == -1.5
+    assert message is None, message
 
 
 def test_transformers_generate_stops_at_the_same_ids(model_dir):

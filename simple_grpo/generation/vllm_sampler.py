@@ -12,6 +12,10 @@ from simple_grpo.task.problems import stop_token_ids
 
 
 CPU_BLOCK_SIZE = 32  # tokens per KV-cache block on a CPU (vLLM's CPU default: 128)
+# sampler_logps where vLLM gave no log-prob (past a completion's end): a real log-prob is <= 0, and vLLM reports
+# exactly 0.0 for a token it is sure of, so 0 cannot mark padding. Finite, so a gap times a mask stays 0 there and
+# the wire's finite check (protocol.check_rollout) passes it; every use masks it or counts it (run/doctor.py).
+NO_LOGP = 1.0
 
 
 def quiet_vllm():
@@ -64,10 +68,11 @@ def stop_vllm(llm):
 
 def sample(llm, prompts, cfg, stop_ids=None):
     """G completions per prompt, each ending at its first stop token: prompt rows [(P,)], completion_ids
-    (Q*G, C) right-padded with pad, and the sampler's per-token log-probs sampler_logps (Q*G, C), group
-    after group. stop_ids: None is stop_token_ids for cfg.model, the set the trainers' masks use. vLLM adds
-    the tokenizer's EOS and the generation config's eos ids to any stop set; a completion it ends at an id
-    outside stop_ids would look cut off to the masks (its padded tail trained), so that stops the run."""
+    (Q*G, C) right-padded with pad, and the sampler's per-token log-probs sampler_logps (Q*G, C) right-padded
+    with NO_LOGP, group after group. stop_ids: None is stop_token_ids for cfg.model, the set the trainers'
+    masks use. vLLM adds the tokenizer's EOS and the generation config's eos ids to any stop set; a completion
+    it ends at an id outside stop_ids would look cut off to the masks (its padded tail trained), so that stops
+    the run."""
     from vllm import SamplingParams
     if stop_ids is None:
         stop_ids = stop_token_ids(llm.get_tokenizer(), cfg.prompt_format, cfg.model)
@@ -87,7 +92,7 @@ def sample(llm, prompts, cfg, stop_ids=None):
                            "as stop_ids")
     C = max(len(c.token_ids) for c in completions)
     completion_ids = torch.full((len(completions), C), pad, dtype=torch.long)
-    sampler_logps = torch.zeros(len(completions), C)
+    sampler_logps = torch.full((len(completions), C), NO_LOGP)
     for i, c in enumerate(completions):
         completion_ids[i, :len(c.token_ids)] = torch.tensor(c.token_ids)
         sampler_logps[i, :len(c.token_ids)] = torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])

@@ -16,6 +16,7 @@ from collections import Counter
 
 from tqdm import tqdm
 
+from simple_grpo.generation.vllm_sampler import NO_LOGP
 from simple_grpo.run.disk_guard import append_lines
 from simple_grpo.run.metrics import is_number
 
@@ -34,15 +35,16 @@ GAP_OUTLIER = 1.0  # nats: a token whose sampler and trainer log-probs differ by
 
 
 def sampler_gap_details(completion_ids, loss_mask, trainer_logps, sampler_logps):
-    """What the mismatch rule reads, from one batch's kept tokens: the mean and largest gap per token, how many
-    completions hold a token whose log-probs differ by more than GAP_OUTLIER, the largest gap's token id,
-    position and both log-probs, and how many kept tokens vLLM reported no log-prob for (0.0, its padding
-    past the end of a completion) while the trainer gives them less than e^-GAP_OUTLIER: tokens vLLM never
-    sampled, so the trainer's mask runs past where vLLM stopped. (B, C) each."""
+    """What the mismatch rule reads, from one batch's kept tokens: the mean gap per kept token and the largest,
+    how many completions hold a token whose log-probs differ by more than GAP_OUTLIER, the largest gap's token
+    id, position and both log-probs, all over the tokens vLLM gave a log-prob for; and how many kept tokens it
+    gave none for (NO_LOGP, its padding past the end of a completion: tokens it never sampled, so the trainer's
+    mask runs past where vLLM stopped). A log-prob of 0.0 is vLLM's for a token it is sure of, not padding.
+    (B, C) each."""
     kept = loss_mask.bool()
-    gap = ((trainer_logps - sampler_logps).abs()).masked_fill(~kept, 0.0)
+    unreported = kept & (sampler_logps == NO_LOGP)
+    gap = ((trainer_logps - sampler_logps).abs()).masked_fill(~kept | unreported, 0.0)
     row, pos = divmod(int(gap.argmax()), gap.size(1))
-    unreported = kept & (sampler_logps == 0) & (trainer_logps < -GAP_OUTLIER)
     return {"sampler_gap_mean": float(gap.sum() / kept.sum().clamp(min=1)), "sampler_gap_max": float(gap.max()),
             "sampler_gap_rows": int((gap > GAP_OUTLIER).any(1).sum()), "sampler_gap_unreported": int(unreported.sum()),
             "sampler_gap_token": int(completion_ids[row, pos]), "sampler_gap_pos": pos,
@@ -160,16 +162,17 @@ class RunDoctor:
         outlier token and its largest gap (token id, vLLM's and the trainer's log-probs), and the likely cause."""
         text = (f"vLLM's log-probs differ from the trainer's by {mean(gaps):.3g} per token on average over the last "
                 f"{len(gaps)} step{'s' if len(gaps) > 1 else ''} (this step's largest {record.get('sampler_gap_max', 0.0):.3g})")
-        if "sampler_gap_rows" in record:
+        unreported = record.get("sampler_gap_unreported", 0)
+        if "sampler_gap_rows" in record and (record["sampler_gap_rows"] or not unreported):
             text += (f"; this step {record['sampler_gap_rows']} completions hold a token off by more than "
                      f"{GAP_OUTLIER:g} nat, the largest at token id {record['sampler_gap_token']} (position "
                      f"{record['sampler_gap_pos']}): vLLM {record['sampler_gap_sampler_logp']:.3g}, trainer "
                      f"{record['sampler_gap_trainer_logp']:.3g}")
-        if record.get("sampler_gap_unreported", 0):
-            return text + (f". {record['sampler_gap_unreported']} kept tokens have no vLLM log-prob (0.0, its padding): "
-                           "the trainer's masks run past where vLLM stopped, a stop-set disagreement. vLLM stops at "
-                           "the tokenizer's EOS and the generation config's eos ids too; the worker and the trainer "
-                           "must both take stop_token_ids(tokenizer, prompt_format, model)")
+        if unreported:
+            return text + (f". {unreported} kept tokens have no vLLM log-prob (its padding): the trainer's masks "
+                           "run past where vLLM stopped, a stop-set disagreement. vLLM stops at the tokenizer's EOS "
+                           "and the generation config's eos ids too; the worker and the trainer must both take "
+                           "stop_token_ids(tokenizer, prompt_format, model)")
         return text + (": the sampler is not running the policy the trainer trains. Check that both use the same "
                        "--dtype and that weights reach vLLM (weights_load_s in metrics.jsonl); lower --max_policy_lag; "
                        "keep --tis_cap on")
