@@ -5,15 +5,25 @@ of the LoRA reference pass (reference_logps), the update (grpo_update: log-probs
 sync's merge (lora.merged_weights, as WeightSender.send holds it), from torch's profiler (every CPU allocation).
 
 Left out of the update's peak: what the optimizer's step allocates (the plan's gradient and optimizer rows count
-it), ZeRO-2's gradient bucket (reported apart: a row of the plan's margin), and a copy only a CPU makes: torch.matmul
-on the lm_head's sliced input (the logits checkpointing keeps) multiplies by the frozen weight expanded over the
-batch, which CPU bmm makes contiguous (batch x hidden x vocab) and CUDA's bmm takes as it is (stride 0).
+it), ZeRO-2's gradient bucket (reported apart: a row of the plan's margin), and two things only a CPU makes:
+- a copy: torch.matmul on the lm_head's sliced input (the logits checkpointing keeps) multiplies by the frozen weight
+  expanded over the batch, which CPU bmm makes contiguous (batch x hidden x vocab) and CUDA's bmm takes as it is
+  (stride 0);
+- a matrix product's workspace, which the product allocates and frees inside itself (every phase leaves it out;
+  the largest is reported apart). Its size depends on the CPU: torch runs bf16 products with oneDNN on a CPU with
+  AVX-512, whose kernel (ONEDNN_VERBOSE=1 names it) is brg_matmul where the CPU has AVX512-BF16 or AMX, with a few
+  blocks of scratchpad (13 to 150 KB at the lm_head), and gemm:jit:bf16 where it has AVX-512 without BF16
+  (Skylake, Cascade Lake, Ice Lake Xeons), whose scratchpad holds the whole product in float32 before it is rounded
+  to bf16 (oneDNN's cpu/matmul/gemm_bf16_matmul.cpp books key_matmul_dst_in_acc_dt, M x N x 4 bytes: 114 MB for the
+  lm_head's output, 39 MB for its weight's gradient); without AVX-512 torch's own kernel takes none. oneDNN takes it
+  from torch's CPU allocator (ATen/native/mkldnn/IDeepRegistration.cpp), so the profiler sees it. cuBLAS's, on a
+  GPU, is in the plan's margin.
 
     python tests/memory_plan_measure.py '{"lora": {"model": DIR, "shape": {...}, "Q": 1, "G": 4, "P": 16, "C": 48,
                                                    "flags": ["--use_peft", ...]}, ...}'
 
 builds each run's model in its DIR once (Qwen2Config's keys in "shape"; bf16) and prints one JSON line per run:
-{"name", "reference", "update", "bucket", "merge", "merge_held"}, bytes.
+{"name", "reference", "update", "bucket", "workspace", "merge", "merge_held"}, bytes.
 """
 import json
 import os
@@ -43,31 +53,49 @@ def build(path, shape):
     AutoTokenizer.from_pretrained(TINY).save_pretrained(path)
 
 
+MATRIX_PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
 def allocations(fn):
-    """fn's result and its CPU allocations in time order: (size, total allocated after it, ptr, op names above it)."""
+    """fn's result and its CPU allocations in time order: (size, total allocated after it, ptr, op names above it,
+    whether it is a matrix product's workspace: made by the product itself, and freed before that call returns)."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
-    found, stack = [], [(e, ()) for e in prof.profiler.kineto_results.experimental_event_tree()]
+    found, stack = [], [(e, (), None) for e in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
-        event, above = stack.pop()
+        event, above, op = stack.pop()  # op: the call the event sits in, (name, start)
         if event.tag == _EventType.Allocation:
             f = event.extra_fields
-            found.append((event.start_time_ns, f.alloc_size, f.total_allocated, f.ptr, above))
-        stack.extend((child, above + (event.name,)) for child in event.children)
-    return result, [a[1:] for a in sorted(found, key=lambda a: a[0])]
+            found.append((event.start_time_ns, f.alloc_size, f.total_allocated, f.ptr, above, op))
+        stack.extend((child, above + (event.name,), (event.name, event.start_time_ns)) for child in event.children)
+    found.sort(key=lambda a: a[0])
+    made_in = {}  # ptr: the call that allocated it, where that is a matrix product
+    workspace = set()  # indices of the allocations freed inside the product call that made them
+    for i, (_, size, _, ptr, _, op) in enumerate(found):
+        if size > 0:
+            made_in[ptr] = (i, op) if op and op[0] in MATRIX_PRODUCTS else None
+        elif made_in.get(ptr) and made_in[ptr][1] == op:
+            workspace.add(made_in.pop(ptr)[0])
+    return result, [(size, total, ptr, above, i in workspace)
+                    for i, (_, size, total, ptr, above, _) in enumerate(found)]
 
 
-def peak(events, leave_out=lambda size, above: False):
+def workspace(size, above, in_product):
+    """A matrix product's workspace (the module's docstring): the CPU's, not the plan's."""
+    return in_product
+
+
+def peak(events, leave_out=workspace):
     """The most bytes live at once above the phase's start, less the live allocations `leave_out` picks, and the
     largest of those."""
     if not events:
         return 0, 0
     start = events[0][1] - events[0][0]
     apart, most, largest_apart = {}, start, 0
-    for size, total, ptr, above in events:
-        if size > 0 and leave_out(size, above):
+    for size, total, ptr, above, in_product in events:
+        if size > 0 and leave_out(size, above, in_product):
             apart[ptr] = size
             largest_apart = max(largest_apart, size)
         elif size < 0:
@@ -100,25 +128,28 @@ def measure(spec):
     batch["ref_logps"] = reference()
     grpo_update(engine, batch, cfg, [0])  # the first step makes the optimizer's state: what the plan's states count
 
-    def cpu_only_copy(size, above):  # the lm_head's weight expanded over the batch, made contiguous by CPU bmm
-        return "aten::bmm" in above and size >= Q * G * hidden * V * 2
+    def cpu_only(size, above, in_product):  # a product's workspace, or the lm_head's weight expanded over the
+        # batch, made contiguous by CPU bmm
+        return in_product or ("aten::bmm" in above and size >= Q * G * hidden * V * 2)
 
-    def bucket(size, above):  # ZeRO-2's reduce bucket, taken at a backward's first gradient
+    def bucket(size, above, in_product):  # ZeRO-2's reduce bucket, taken at a backward's first gradient
         return "torch::autograd::AccumulateGrad" in above and size >= 1e8
 
     _, events = allocations(reference)
-    ref_peak, _ = peak(events, cpu_only_copy)
+    ref_peak, _ = peak(events, cpu_only)
+    _, ref_workspace = peak(events, workspace)
     _, events = allocations(lambda: grpo_update(engine, batch, cfg, [0]))
-    update_peak, _ = peak(events, lambda size, above: cpu_only_copy(size, above) or bucket(size, above)
-                          or "optimizer_step" in above)
+    update_peak, _ = peak(events, lambda *a: cpu_only(*a) or bucket(*a) or "optimizer_step" in a[1])
     _, bucket_bytes = peak(events, bucket)
+    _, update_workspace = peak(events, lambda *a: workspace(*a) and "optimizer_step" not in a[1])
     parameters = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
     with torch.no_grad():
         weights, events = allocations(lambda: merged_weights(engine.module))
     held = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in weights.values()
                                                       if t.untyped_storage().data_ptr() not in parameters}.values())
-    merge_peak, _ = peak(events)
+    merge_peak, merge_workspace = peak(events)
     return {"reference": ref_peak if cfg.use_peft else 0, "update": update_peak, "bucket": bucket_bytes,
+            "workspace": max(ref_workspace if cfg.use_peft else 0, update_workspace, merge_workspace),
             "merge": merge_peak, "merge_held": held}
 
 
