@@ -3,6 +3,9 @@
     python regroup_ver/ref_server_regroup.py &     # pools answers, serves groups with mixed rewards
     python regroup_ver/grpo_regroup.py             # tiny default; every flag of grpo_vllm_one.py works
 
+The server forms the groups: give it the trainer's --scale_rewards, --advantage_eps and --prompt_format
+too (an upload made with others is refused, naming the flag; README.md here).
+
 The vLLM worker uploads every group, all-alike ones too, and asks such a question once more in
 its next batch when its answers differ among themselves; the trainer takes batch_prompts served
 groups per step, and reports its policy version so the server serves no answer more than its

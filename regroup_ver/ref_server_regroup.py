@@ -15,6 +15,11 @@ The price is staleness: a pooled answer may wait for its question to be asked ag
 older than --max_policy_lag versions are evicted and never served; pools are capped in size
 and in number, so memory stays bounded. Uploads, checks, tokens and /health are ref_server.py's
 (simple_grpo/reference/).
+
+The advantages it serves are the trainer's to choose: start it with the trainer's --scale_rewards,
+--advantage_eps and --prompt_format (the last, with --model, gives the one stop set answers are cut at).
+An upload whose advantages or stop tokens say the trainer used others is refused (HTTP 400, naming the
+flag), and --scale_rewards batch, an std over the trainer's whole batch, which the server never sees, too.
 """
 import os
 import queue
@@ -34,6 +39,7 @@ from simple_grpo.logprobs import load_reference, sequence_logps  # noqa: E402
 from simple_grpo.protocol import ServerConfig, encode  # noqa: E402
 from simple_grpo.reference.http_server import (add_token_check_and_health, answer, check_exposure,  # noqa: E402
                                                read_rollout, serve, wait_seconds)
+from simple_grpo.task.problems import stop_token_ids  # noqa: E402
 
 
 @dataclass
@@ -43,14 +49,50 @@ class RegroupConfig(ServerConfig):
     pool_size: int = flag(32, "answers kept per question (the oldest go first)")
     max_questions: int = flag(2048, "questions pooled (the least recently answered go first)")
     max_ready: int = flag(16, "served groups waiting for trainers; /upload answers 503 beyond it")
+    scale_rewards: str = flag("group", "the trainer's --scale_rewards: group or none (dr_grpo's); batch, an std over "
+                                       "the trainer's whole batch, cannot be pooled (a served group is one question's)")
+    advantage_eps: float = flag(1e-4, "the trainer's --advantage_eps: added to a served group's reward std")
+    prompt_format: str = flag("chat", "the trainer's --prompt_format: with --model it gives the stop set "
+                                      "(task/problems.py's stop_token_ids) pooled answers are cut at")
+
+
+def check_config(cfg):
+    """Stop with an error naming the flag the server cannot honour, before the model loads."""
+    if cfg.scale_rewards == "batch":
+        raise SystemExit("--scale_rewards batch: the regrouping server serves one question's group at a time and "
+                         "never sees the trainer's batch; use group or none, on the server and the trainer alike")
+    if cfg.scale_rewards not in ("group", "none"):
+        raise SystemExit(f"unknown --scale_rewards {cfg.scale_rewards!r}: use group or none")
+    if cfg.prompt_format not in ("chat", "raw"):
+        raise SystemExit(f"unknown --prompt_format {cfg.prompt_format!r}: use chat or raw")
+
+
+def check_upload(tensors, cfg, stop_ids, pad_token_id):
+    """ValueError naming the flag where an upload shows that its trainer's flags are not this server's: its
+    advantages (the generator's, grpo_math.group_advantages over the uploaded group) differ from ours by more
+    than float32 noise (1e-5), or a completion goes on after a token of our stop set (the generator stops at
+    its first stop token and pads after it)."""
+    if "advantages" in tensors:
+        rewards = tensors["rewards"].float()
+        ours = group_advantages(rewards, rewards.numel(), cfg.scale_rewards, cfg.advantage_eps)
+        if not torch.allclose(tensors["advantages"].float(), ours, rtol=1e-5, atol=1e-6):
+            raise ValueError(f"the upload's advantages are not this server's (--scale_rewards {cfg.scale_rewards}, "
+                             f"--advantage_eps {cfg.advantage_eps:g}): start ref_server_regroup.py with the trainer's "
+                             "--scale_rewards and --advantage_eps")
+    completion_ids = tensors["completion_ids"]  # (G, C)
+    if ((completion_mask(completion_ids, stop_ids) == 0) & (completion_ids != pad_token_id)).any():
+        raise ValueError(f"a completion goes on after a token of this server's stop set {stop_ids} (--prompt_format "
+                         f"{cfg.prompt_format}, --model {cfg.model}): start ref_server_regroup.py with the trainer's "
+                         "--prompt_format and --model")
 
 
 class Pools:
     """Per (run, question): answers waiting to be served, each (completion_ids (C,), reward,
-    version, sampler_logps (C,)) trimmed at its EOS. Call under the server's lock."""
+    version, sampler_logps (C,)) cut after its first stop token (stop_ids: the trainer's stop set,
+    stop_token_ids). Call under the server's lock."""
 
-    def __init__(self, cfg, eos_token_id, pad_token_id):
-        self.cfg, self.eos, self.pad = cfg, eos_token_id, pad_token_id
+    def __init__(self, cfg, stop_ids, pad_token_id):
+        self.cfg, self.stop_ids, self.pad = cfg, stop_ids, pad_token_id
         self.pools = OrderedDict()  # key -> {"prompt_ids", "temperature", "answers": [...]}
         self.newest = 0  # the newest policy version seen: the age of an answer counts from it
         self.stats = {"answers_in": 0, "answers_served": 0, "answers_evicted": 0, "groups_formed": 0}
@@ -61,7 +103,7 @@ class Pools:
         pool = self.pools.pop(key, None) or {"prompt_ids": tensors["prompt_ids"], "answers": []}
         pool["meta"] = meta  # the latest upload's: temperature, the generator's stats for the trainer's log
         self.pools[key] = pool  # now the most recently answered
-        lengths = completion_mask(tensors["completion_ids"], self.eos).sum(1).long().tolist()
+        lengths = completion_mask(tensors["completion_ids"], self.stop_ids).sum(1).long().tolist()
         for i, n in enumerate(lengths):
             pool["answers"].append((tensors["completion_ids"][i, :n].clone(), float(tensors["rewards"][i]),
                                     meta.get("policy_version", 0), tensors["sampler_logps"][i, :n].clone()))
@@ -116,7 +158,8 @@ class Pools:
         tensors = {"prompt_ids": pool["prompt_ids"],
                    "completion_ids": torch.stack([torch.nn.functional.pad(a[0], (0, C - a[0].numel()), value=self.pad)
                                                   for a in chosen]),
-                   "rewards": rewards, "advantages": group_advantages(rewards, G),  # over the served group
+                   "rewards": rewards,  # advantages over the served group, with the trainer's flags
+                   "advantages": group_advantages(rewards, G, self.cfg.scale_rewards, self.cfg.advantage_eps),
                    "sampler_logps": torch.stack([torch.nn.functional.pad(a[3], (0, C - a[3].numel())) for a in chosen])}
         meta = {**pool["meta"], "policy_version": min(versions), "policy_versions": versions}
         return tensors, meta
@@ -130,7 +173,8 @@ class Pools:
 def make_app(model, tokenizer, cfg: RegroupConfig):
     app = bottle.Bottle()
     todo, done = queue.Queue(), queue.Queue()  # formed groups -> ref log-probs -> trainers; max_ready bounds both
-    pools = Pools(cfg, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    stop_ids = stop_token_ids(tokenizer, cfg.prompt_format, cfg.model)  # the trainer's one stop set
+    pools = Pools(cfg, stop_ids, tokenizer.pad_token_id)
     stats = {"groups_in": 0, "groups_taken": 0, "groups_stale": 0, "rejected": 0, "rejected_full": 0, "errors": 0}
     lock, started = threading.Lock(), time.time()
     add_token_check_and_health(app, cfg, stats)
@@ -157,6 +201,11 @@ def make_app(model, tokenizer, cfg: RegroupConfig):
             stats["rejected"] += 1
             return answer(400, f"regroup uploads need rewards, sampler_logps (behaviour log-probs) and at most "
                                f"{cfg.pool_size} completions")
+        try:
+            check_upload(tensors, cfg, stop_ids, tokenizer.pad_token_id)
+        except ValueError as e:
+            stats["rejected"] += 1
+            return answer(400, str(e))
         with lock:
             if todo.qsize() + done.qsize() >= cfg.max_ready:  # trainers are behind: generators wait
                 stats["rejected_full"] += 1
@@ -202,6 +251,7 @@ def make_app(model, tokenizer, cfg: RegroupConfig):
 if __name__ == "__main__":
     from transformers import AutoTokenizer
     config = parse_flags(RegroupConfig, __doc__)
+    check_config(config)
     check_exposure(config)
     serve(make_app(load_reference(config), AutoTokenizer.from_pretrained(config.model), config), config,
           name="regroup ref server")
