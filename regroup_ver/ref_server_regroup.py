@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the main code, one level up
 from grpo_math import completion_mask, group_advantages  # noqa: E402
 from simple_grpo.flags import flag, parse_flags  # noqa: E402
+from simple_grpo.generation.vllm_sampler import NO_LOGP  # noqa: E402
 from simple_grpo.logprobs import load_reference, sequence_logps  # noqa: E402
 from simple_grpo.protocol import ServerConfig, encode  # noqa: E402
 from simple_grpo.reference.http_server import (add_token_check_and_health, answer, check_exposure,  # noqa: E402
@@ -160,7 +161,8 @@ class Pools:
                                                   for a in chosen]),
                    "rewards": rewards,  # advantages over the served group, with the trainer's flags
                    "advantages": group_advantages(rewards, G, self.cfg.scale_rewards, self.cfg.advantage_eps),
-                   "sampler_logps": torch.stack([torch.nn.functional.pad(a[3], (0, C - a[3].numel())) for a in chosen])}
+                   "sampler_logps": torch.stack([torch.nn.functional.pad(a[3], (0, C - a[3].numel()), value=NO_LOGP)
+                                                 for a in chosen])}  # past an answer's end: no log-prob
         meta = {**pool["meta"], "policy_version": min(versions), "policy_versions": versions}
         return tensors, meta
 

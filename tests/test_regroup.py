@@ -14,6 +14,7 @@ import torch
 
 from grpo_math import completion_mask, group_advantages
 from simple_grpo.flags import parse_flags
+from simple_grpo.generation.vllm_sampler import NO_LOGP
 from simple_grpo.protocol import decode, encode
 from simple_grpo.rollouts import make_groups
 from simple_grpo.task.problems import stop_token_ids
@@ -206,9 +207,10 @@ PAD_BASE, TURN_END = 0, 2  # the base-like model's <|endoftext|> (its pad and EO
 
 def turn_end_upload(question, lengths, rewards, version=0, answer_id=0):
     """A group as the generator uploads it: answer j is lengths[j] tokens, the last the chat turn end, then
-    padding to the group's longest; its sampler_logps are -(answer_id + j + 1)/100 on its tokens, 0 on the padding."""
+    padding to the group's longest; its sampler_logps are -(answer_id + j + 1)/100 on its tokens, NO_LOGP on the
+    padding (as vLLM's sampler pads them)."""
     G, C = len(lengths), max(lengths)
-    completion, sampler_logps = torch.full((G, C), PAD_BASE), torch.zeros(G, C)
+    completion, sampler_logps = torch.full((G, C), PAD_BASE), torch.full((G, C), NO_LOGP)
     for j, n in enumerate(lengths):
         completion[j, :n - 1], completion[j, n - 1] = 7, TURN_END
         sampler_logps[j, :n] = -(answer_id + j + 1) / 100
@@ -238,7 +240,7 @@ def test_live_server_cuts_pooled_answers_at_the_chat_turn_end_not_only_the_token
         answer = round(-logps[0].item() * 100) - 1  # answer_id + j
         n = lengths[answer - answer % 10][answer % 10]
         assert row[:n].tolist() == [7] * (n - 1) + [TURN_END]
-        assert (row[n:] == PAD_BASE).all() and (logps[n:] == 0).all() and (logps[:n] != 0).all()
+        assert (row[n:] == PAD_BASE).all() and (logps[n:] == NO_LOGP).all() and (logps[:n] < 0).all()
 
 
 def test_live_server_refuses_uploads_made_with_other_flags_naming_them(base_like_server):
