@@ -181,22 +181,40 @@ def per_token_loss(logps, old_logps, ref_logps, advantages, beta, epsilon, epsil
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 
 
-def aggregate(per_token, loss_mask, loss_type="grpo", max_completion_length=None):
+def loss_denominator(loss_mask, loss_type="grpo", max_completion_length=None):
+    """What a loss type divides its sum by, counted on the batch: (B, C) loss_mask -> a number.
+      grpo:              sequences (each sequence's mean over its tokens is summed)
+      bnpo, dapo, cispo: completion tokens
+      dr_grpo:           sequences * max_completion_length
+
+    One step, however the batch is split. A trainer that splits the batch into micro-batches or over
+    several ranks divides every part's sum by the WHOLE batch's count, counted before the passes: then
+    the parts' gradients add up to exactly the whole batch's, whichever part a group lands in. Dividing
+    each part by its own count would weigh a group on a rank with 1 group 3x one on a rank with 3."""
+    if loss_type == "grpo":
+        return loss_mask.size(0)
+    if loss_type in ("bnpo", "dapo", "cispo"):
+        return loss_mask.sum().clamp(min=1)
+    if loss_type == "dr_grpo":
+        if not max_completion_length:
+            raise ValueError("loss_type dr_grpo needs max_completion_length")
+        return loss_mask.size(0) * max_completion_length
+    raise ValueError(f"unknown loss_type {loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
+
+
+def aggregate(per_token, loss_mask, loss_type="grpo", max_completion_length=None, denominator=None):
     """One number from the per-token losses; the loss types differ in how tokens are weighted.
       grpo:         mean over each sequence's tokens, then over sequences (a token of a short
                     answer weighs more than one of a long answer)
       bnpo, dapo, cispo: sum over all tokens / number of tokens (every token weighs the same)
       dr_grpo:      sum over all tokens / (sequences * max_completion_length) (a constant: no
-                    length bias at all; Liu et al. 2025)"""
+                    length bias at all; Liu et al. 2025)
+    denominator: the whole batch's loss_denominator when this is a part of it (None: this batch's own)."""
+    if denominator is None:
+        denominator = loss_denominator(loss_mask, loss_type, max_completion_length)
     if loss_type == "grpo":
-        return ((per_token * loss_mask).sum(1) / loss_mask.sum(1).clamp(min=1)).mean()
-    if loss_type in ("bnpo", "dapo", "cispo"):
-        return (per_token * loss_mask).sum() / loss_mask.sum().clamp(min=1)
-    if loss_type == "dr_grpo":
-        if not max_completion_length:
-            raise ValueError("loss_type dr_grpo needs max_completion_length")
-        return (per_token * loss_mask).sum() / (loss_mask.size(0) * max_completion_length)
-    raise ValueError(f"unknown loss_type {loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
+        return ((per_token * loss_mask).sum(1) / loss_mask.sum(1).clamp(min=1)).sum() / denominator
+    return (per_token * loss_mask).sum() / denominator
 
 
 def capped_is_weight(old_logps, sampler_logps, cap):
@@ -211,7 +229,7 @@ def capped_is_weight(old_logps, sampler_logps, cap):
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, loss_mask, *, beta=0.04, epsilon=0.2,
               epsilon_high=None, loss_type="grpo", importance_sampling_level="token", kl_estimator="k3",
-              max_completion_length=None, impl="torch", sampler_logps=None, tis_cap=2.0):
+              max_completion_length=None, impl="torch", sampler_logps=None, tis_cap=2.0, denominator=None):
     """The GRPO loss and its diagnostics. Shapes: (B, C) except advantages (B,).
 
     Option names follow TRL's GRPOConfig; loss_mask (TRL's completion_mask) is 1 for the tokens the loss
@@ -222,7 +240,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, loss_mask, *, beta=0.04, 
     fused kernel (triton_loss/) with the same numbers; the kernel has the clipped token-level loss with
     k3, and the other options take the torch path. sampler_logps: the log-probs the sampler reported,
     when another engine sampled (vLLM); then each token's policy-gradient term is weighted by
-    capped_is_weight(old_logps, sampler_logps, tis_cap)."""
+    capped_is_weight(old_logps, sampler_logps, tis_cap). denominator: when these rows are a part of a
+    larger batch (a micro-batch, a rank's share), the whole batch's loss_denominator (aggregate)."""
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     # a masked position may hold anything: ref_logps are padded with 0 past a completion's end, and the policy's
     # log-prob of a padding token can be -inf or far below -88 (k3's exp(ref - logp) is then inf in float32,
@@ -244,7 +263,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, loss_mask, *, beta=0.04, 
     if sampler_logps is not None:
         is_weight = capped_is_weight(old_logps, sampler_logps, tis_cap)
         per_token = is_weight * (per_token - beta * kl) + beta * kl  # the KL term is the trainer's own
-    loss = aggregate(per_token, loss_mask, loss_type, max_completion_length)
+    loss = aggregate(per_token, loss_mask, loss_type, max_completion_length, denominator)
 
     with torch.no_grad():
         A, n = advantages[:, None], loss_mask.sum().clamp(min=1)

@@ -262,7 +262,7 @@ def main(cfg: Config):
 
             # what this step measured: metrics.jsonl, a few completions, the run doctor's verdict
             stop_reason = progress.update(step) if progress is not None else None  # the batches made meanwhile
-            if rank == 0:  # rank 0's own batch and loss, a few of its completions, what the doctor makes of them
+            if rank == 0:  # the whole batch's loss and diagnostics, rank 0's own batch's rewards and completions
                 log_step(metrics_path, record, tracker)
                 if cfg.log_completions_every and step % cfg.log_completions_every == 0:
                     log_batch_completions(run_dir, step, tokenizer, batch, [s for m in metas for s in m["scores"]],

@@ -134,6 +134,15 @@ def max_over_ranks(value):
     return t.item()
 
 
+def sum_over_ranks(value):
+    """The sum of the ranks' values, the same on every rank (one rank: the value itself)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return float(value)
+    t = torch.tensor([float(value)], device=collective_device(), dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item()
+
+
 def check_shared_memory(nbytes, path="/dev/shm"):
     """Stop with a clear message unless `path` has room for nbytes (the weight sync's two buffers).
     A container's default /dev/shm is 64 MB; the buffers hold the whole model twice."""

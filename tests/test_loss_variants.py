@@ -224,3 +224,31 @@ def test_what_a_masked_position_holds_never_reaches_the_loss_or_the_gradient(val
     assert torch.allclose(grad, clean_grad, atol=1e-7)
     assert (grad[mask == 0] == 0).all()
     assert all(math.isfinite(v) for v in stats.values()) and stats == pytest.approx(clean_stats, abs=1e-6)
+
+
+@pytest.mark.parametrize("options", [{"loss_type": "grpo"}, {"loss_type": "bnpo"}, {"loss_type": "dapo"},
+                                     {"loss_type": "cispo"}, {"loss_type": "dr_grpo", "max_completion_length": 6},
+                                     {"loss_type": "grpo", "importance_sampling_level": "sequence"}],
+                         ids=["grpo", "bnpo", "dapo", "cispo", "dr_grpo", "gspo"])
+def test_parts_that_divide_by_the_whole_batchs_count_add_up_to_the_whole_batchs_loss(options):
+    """grpo_math.loss_denominator's rule: a batch split 3 rows + 1 row (as over two ranks whose rewards left them
+    3 groups and 1), each part divided by the whole batch's count, gives the whole batch's loss and gradient;
+    each part divided by its own count and averaged (what the ranks did before) does not."""
+    from grpo_math import loss_denominator
+    g = torch.Generator().manual_seed(0)
+    logps = (-torch.rand(4, 6, generator=g) * 3).requires_grad_()
+    old, ref, adv = logps.detach() + 0.05 * torch.randn(4, 6, generator=g), logps.detach() - 0.1, torch.randn(4, generator=g)
+    mask = torch.ones(4, 6)
+    mask[:3, 3:] = 0  # the 3-row part's completions are short, the last is long: token counts differ too
+    whole, _ = grpo_loss(logps, old, ref, adv, mask, beta=0.04, **options)
+    (whole_grad,) = torch.autograd.grad(whole, logps)
+    denominator = loss_denominator(mask, options["loss_type"], options.get("max_completion_length"))
+    parts = [grpo_loss(logps[r], old[r], ref[r], adv[r], mask[r], beta=0.04, denominator=denominator, **options)[0]
+             for r in (slice(0, 3), slice(3, 4))]
+    (parts_grad,) = torch.autograd.grad(sum(parts), logps)
+    assert sum(parts).item() == pytest.approx(whole.item(), rel=1e-6)
+    assert torch.allclose(parts_grad, whole_grad, rtol=1e-5, atol=1e-8)
+    own = [grpo_loss(logps[r], old[r], ref[r], adv[r], mask[r], beta=0.04, **options)[0]
+           for r in (slice(0, 3), slice(3, 4))]
+    (own_grad,) = torch.autograd.grad(sum(own) / 2, logps)  # each rank's own mean, then DeepSpeed's average
+    assert not torch.allclose(own_grad, whole_grad, rtol=1e-3)

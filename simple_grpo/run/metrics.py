@@ -8,6 +8,7 @@ import json
 import math
 import os
 
+import torch.distributed as dist
 from tqdm import tqdm
 
 from simple_grpo.run.disk_guard import append_lines
@@ -73,6 +74,32 @@ def add_part_stats(stats, part, share):
             stats[key] = min(stats.get(key, value), value)
         else:
             stats[key] = stats.get(key, 0.0) + value * share
+
+
+# the figures of the largest sampler gap (doctor.sampler_gap_details): they come from the rank that holds it
+AT_LARGEST_GAP = ("sampler_gap_token", "sampler_gap_pos", "sampler_gap_sampler_logp", "sampler_gap_trainer_logp")
+
+
+def stats_over_ranks(stats):
+    """The whole batch's diagnostics from every rank's: *_max and *_min keep the extremes, the largest
+    sampler gap's figures come from the rank that holds it, and the rest add up (each rank's are its share
+    of the batch's token means, or its counts). One rank: stats as they are."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return stats
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, stats)  # a few numbers a rank, between this run's own processes
+    merged = {}
+    for key in stats:
+        values = [s[key] for s in every]
+        if key.endswith("_max"):
+            merged[key] = max(values)
+        elif key.endswith("_min"):
+            merged[key] = min(values)
+        elif key in AT_LARGEST_GAP:
+            merged[key] = max(every, key=lambda s: s["sampler_gap_max"])[key]
+        else:
+            merged[key] = sum(values)
+    return merged
 
 
 def significant(value, digits=6):

@@ -6,11 +6,11 @@ import math
 
 import torch
 
-from grpo_math import completion_mask, grpo_loss
-from simple_grpo.devices import max_over_ranks
+from grpo_math import completion_mask, grpo_loss, loss_denominator
+from simple_grpo.devices import max_over_ranks, sum_over_ranks
 from simple_grpo.logprobs import sequence_logps
 from simple_grpo.run.doctor import sampler_gap_details
-from simple_grpo.run.metrics import add_part_stats
+from simple_grpo.run.metrics import add_part_stats, stats_over_ranks
 from simple_grpo.run.phase_timer import UpdatePhases
 
 
@@ -98,7 +98,12 @@ def grpo_update(engine, batch, cfg, stop_ids, profile=False):
     # that run different numbers of passes wait for each other forever. A rank with fewer groups (with
     # --micro_batch_groups) runs its first part again with a gradient of weight 0 until it has as many.
     passes = int(max_over_ranks(len(parts)))
-    token_mean = cfg.loss_type in ("bnpo", "dapo", "cispo")  # the others average over sequences first
+    # one step, however the batch is split (grpo_math.loss_denominator): every pass divides its loss by the
+    # count of the whole batch, over every rank. DeepSpeed averages the ranks' gradients (their sum over the
+    # world size): a rank's share is world times its part of the sum, so that average is the batch's gradient
+    world = engine.dp_world_size
+    denominator = sum_over_ranks(loss_denominator(loss_mask, cfg.loss_type, cfg.max_new_tokens)) / world
+    tokens = sum_over_ranks(loss_mask.sum())  # the whole batch's completion tokens: the diagnostics' weights
     sampler_logps = batch.get("sampler_logps")  # (B, C) vLLM's; None where the trainer's own policy sampled
     old_logps, skipped, norm = None, 0, None  # old_logps (B, C): the trainer's own, set by the first iteration
     tis_cap = getattr(cfg, "tis_cap", 0.0)  # grpo_vllm_one's option: only it has a sampler of its own
@@ -127,27 +132,26 @@ def grpo_update(engine, batch, cfg, stop_ids, profile=False):
                     is_logps = None if sampler_logps is None else sampler_logps[rows]
                 with phases.timed("loss"):
                     part_loss, part_stats = grpo_loss(logps, pi_old, ref, batch["advantages"][rows], loss_mask[rows],
-                                                      sampler_logps=is_logps, tis_cap=tis_cap, **loss_options(cfg))
-                # the part's share of the batch's loss, so the parts' gradients add up to the whole batch's: its
-                # tokens' share where the loss is a mean over all tokens, its sequences' share where it is a mean
-                # over sequences
-                token_share = (loss_mask[rows].sum() / loss_mask.sum().clamp(min=1)).item()
-                share = token_share if token_mean else (q1 - q0) / Q
+                                                      sampler_logps=is_logps, tis_cap=tis_cap,
+                                                      denominator=denominator, **loss_options(cfg))
                 with phases.backward():
-                    engine.backward(part_loss * share)
-                loss += part_loss.item() * share
-                add_part_stats(stats, part_stats, token_share)  # the diagnostics are token means: weighted by tokens
+                    engine.backward(part_loss)
+                loss += part_loss.item() / world  # the ranks' sum of these is the batch's loss
+                add_part_stats(stats, part_stats, loss_mask[rows].sum().item() / tokens)  # token means, by tokens
                 entropy += (part_entropy * loss_mask[rows]).sum().item()
             old_logps = torch.cat(new_logps) if old_logps is None else old_logps  # (B, C)
             with phases.timed("optimizer"):  # with --offload_optimizer, mostly on the host
                 norm, stepped = optimizer_step(engine, loss)
             skipped += not stepped
-    stats["loss"], stats["entropy"] = loss, entropy / loss_mask.sum().clamp(min=1).item()
-    stats["tokens"] = int(loss_mask.sum())  # completion tokens trained on
+    # this rank's shares of the batch's loss and token means, and its counts; stats_over_ranks adds them up
+    stats.update(loss=loss, entropy=entropy / tokens, tokens=int(loss_mask.sum()))
     if sampler_logps is not None:  # where vLLM and the trainer disagree, named for the run doctor (grpo_loss has
         # the mean and largest gap already where --tis_cap weights the tokens)
-        for key, value in sampler_gap_details(batch["completion_ids"], loss_mask, old_logps, sampler_logps).items():
+        details = sampler_gap_details(batch["completion_ids"], loss_mask, old_logps, sampler_logps)
+        details["sampler_gap_mean"] *= loss_mask.sum().item() / tokens  # this rank's share of the token mean
+        for key, value in details.items():
             stats.setdefault(key, value)
+    stats = stats_over_ranks(stats)  # the whole batch's, the same on every rank
     stats.update(phases.seconds())  # forward_s, log_softmax_s, recompute_s, backward_s, loss_s, optimizer_s, gpu_wait_s
     stats.update(step_stats(engine, norm, skipped, cfg.num_iterations))
     return stats, torch.cat(new_logps)
