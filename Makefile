@@ -3,7 +3,8 @@
 #               seed, TRAINER=grpo_train for the simple trainer instead of grpo_vllm_one, LORA=1 for adapters)
 #   make demo-real   a real pretrained model (SmolLM2-135M-Instruct) learns on this CPU (SEED=1 for another seed)
 #   make test   the test suite (what CI runs); `make test-all` adds the slow end-to-end tests
-#   make test-gpu   checks a GPU machine in one command (tests/test_gpu.py, ~20 min; skips where CUDA is absent)
+#   make test-gpu   checks a GPU machine in one command (tests/test_gpu.py, ~20 min; skips where CUDA is absent;
+#                   PART=1 and PART=2 split it in two)
 # Both create .venv/ and install the requirements on first use (tools/install.sh).
 PY := .venv/bin/python
 
@@ -33,8 +34,13 @@ test-all: install
 	$(PY) -m pytest -q
 
 # The GPU tests (tests/test_gpu.py) and their summary; -rs prints why they skip where there is no CUDA.
+# PART=1 the vLLM tests (the weight-sync checks on both runners, grpo_vllm_one.py), PART=2 the rest: each fits one
+# lent GPU visit (~6 and ~3 minutes on an H100), and the two together are the whole file.
+PART ?=
+GPU_PART_1 := -k vllm
+GPU_PART_2 := -k "not vllm"
 test-gpu: install
-	$(PY) -m pytest -q -rs -m gpu tests/test_gpu.py
+	$(PY) -m pytest -q -rs -m gpu tests/test_gpu.py $(if $(PART),$(or $(GPU_PART_$(PART)),$(error PART=$(PART): use 1 or 2)))
 
 # A GRPO step of grpo_vllm_one.py at the sizes people train, random weights, against the memory plan
 # (bench/gpu_scale.py, docs/gpu_notes.md) on a GPU: SIZE=0.5b full, 3b full with offload and checkpointing, 7b
