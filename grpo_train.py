@@ -30,7 +30,7 @@ functions, constants and flags a step runs through):
      (PPO's epochs).
 Every number a default step uses is a flag, `python grpo_train.py --help` lists each with its default
 (simple_grpo/trainer/config.py's TrainerConfig, and the task/config.py TaskConfig it extends: G, T,
---max_new_tokens); but one: the 1e-4 added to a group's reward std (grpo_math.group_advantages's eps, TRL's).
+--max_new_tokens), the 1e-4 added to a group's reward std too (--advantage_eps; TRL's value).
 At start it prints each default it derived from the other flags, and why (trainer/config.py's check_options);
 runs/NAME/config.json holds every flag as resolved. It writes one JSON line per step to runs/NAME/metrics.jsonl
 (a step with no group kept logs its update's figures as null), checkpoints to runs/NAME/step_N/ (HF format, plus

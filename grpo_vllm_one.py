@@ -19,8 +19,9 @@ While the trainer computes step s, the worker already samples the batch for step
 slightly older weights (never more than `max_policy_lag` versions: the timeline is WorkerSchedule's
 docstring, simple_grpo/generation/schedule.py). Each rollout carries the policy version and vLLM's
 log-probs (sampler_logps); the update weights each token by min(pi_old / pi_vLLM, tis_cap) (capped
-importance sampling, the literature's "truncated" IS), so it stays correct off-policy and across the two
-engines' numerics.
+importance sampling, the literature's "truncated" IS): the mismatch from the lag and the two engines'
+numerics is corrected where the ratio is below the cap and bounded above it (biased there); the KL term is not
+reweighted.
 Where sampling is the slow part, --gen_workers K runs K workers that make the batches in turn.
 
 Every step, in order: the worker's `# GRPO 1.` sample, `2.` score and group, then post; the trainer's

@@ -1,7 +1,7 @@
 """Weights from the trainer to the generation workers, in memory (grpo_vllm_one.py).
 
 The trainer copies its weights into one of two flat buffers in shared memory that every process
-maps (WeightSender.send: one memcpy, nothing pickled) and sends (version, buffer index) on each
+maps (WeightSender.send: a copy per tensor, nothing pickled) and sends (version, buffer index) on each
 worker's queue; each worker loads them into its running vLLM engine in place (receive_weights).
 A buffer is refilled only after every worker has loaded the version it held (or passed it over:
 with several workers, each loads just the versions it samples with).

@@ -1,7 +1,8 @@
 """The trainers' shared flags and their checks: what both grpo_train.py and grpo_vllm_one.py take.
 
-Every number a default step uses is a field's default here, or in the TaskConfig this extends
-(simple_grpo/task/config.py: G, T, --max_new_tokens), and each trainer's --help lists it: the objective's
+Every number a default step uses is a field's default here, in the TaskConfig this extends (G, T,
+--max_new_tokens) or, for grpo_vllm_one.py, in generation/config.py (tis_cap, sync_every, max_policy_lag,
+gen_memory), and each trainer's --help lists it: the objective's
 beta and epsilon (grpo_math.grpo_loss, whose keyword defaults are the same), the optimizer's lr, betas,
 eps, weight decay and clip (deepspeed_config.flag_config passes them to DeepSpeed), the 1e-4 added to a
 group's reward std (--advantage_eps, grpo_math.group_advantages's eps). Only --lr's default depends on the

@@ -32,7 +32,7 @@ def optimizer_step(engine, loss):
     """One optimizer step on the gradients backward left, unless they or the loss hold a NaN or inf: one
     such update would reach every weight through Adam's moments, so it is dropped. ZeRO 0 leaves the
     gradients whole on the parameters, where we check them; ZeRO 1-3 check them in step() themselves.
-    engine.step() clips the gradients' global 2-norm to 1.0, takes one AdamW step and zeroes the gradients
+    engine.step() clips the gradients' global 2-norm to --max_grad_norm, takes one AdamW step, zeroes the gradients
     (the settings: trainer/deepspeed_config.py). Returns the gradients' norm before clipping (None under
     ZeRO 1-3) and whether the step was taken."""
     norm = grad_norm(engine)
