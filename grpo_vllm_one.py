@@ -79,8 +79,10 @@ class Config(GenerationConfig, TrainerConfig):
     SECTIONS = {**TrainerConfig.SECTIONS, **GenerationConfig.SECTIONS, "run_name": "this script"}
     run_name: str = flag("vllm_one", "outputs go to runs/RUN_NAME/")
     threads: int = flag(1, "the trainer's CPU threads (on a CPU machine the worker has cores of its own)")
+    time_phases: bool = flag(False, "time each update by phase (forward, log_softmax, recompute, backward, loss, "
+                                    "optimizer) into metrics.jsonl; on a GPU it waits for the GPU at each phase's end")
     profile_step: int = flag(0, "CUDA: profile this step's update (torch.profiler, slower), its GPU's idle seconds "
-                                "to metrics.jsonl as gpu_wait_s (bench/gpu_scale.py); 0: none")
+                                "to metrics.jsonl as gpu_wait_s, and its phases (bench/gpu_scale.py); 0: none")
 
 
 # ---------------------------------------------------------------------------- generation worker
@@ -249,7 +251,8 @@ def main(cfg: Config):
 
             # GRPO 4. the update: grpo_math.grpo_loss on the batch, one optimizer step. The ratio's old_logps are
             # the trainer's own; vLLM's sampler_logps weight each token (--tis_cap; with 0 they are old_logps)
-            update_stats, logps = grpo_update(engine, batch, cfg, stop_ids, profile=step == cfg.profile_step)
+            update_stats, logps = grpo_update(engine, batch, cfg, stop_ids, timed=cfg.time_phases,
+                                              profile=step == cfg.profile_step)
             compute_s = time.time() - t0 - wait_s
 
             # GRPO 5. send the new weights (in memory): version `step` samples the batches trained at steps

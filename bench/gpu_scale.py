@@ -282,7 +282,8 @@ def main(cfg, extra):
     try:
         t0 = time.time()
         profile = ["--profile_step", str(cfg.steps)] if cuda else []  # the last step's GPU idle seconds
-        trainer = subprocess.Popen([sys.executable, "grpo_vllm_one.py", *flags, *profile, "--steps", str(cfg.steps),
+        trainer = subprocess.Popen([sys.executable, "grpo_vllm_one.py", *flags, *profile, "--time_phases",
+                                    "--steps", str(cfg.steps),
                                     "--save_every", str(cfg.steps), "--log_completions_every", "0",
                                     "--run_name", cfg.run_name, "--overwrite"], cwd=ROOT, env=env)
         host_peak, host_peak_with_server = wait_peak_rss(trainer, also=server, measure=tree_pss)

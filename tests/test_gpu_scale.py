@@ -46,13 +46,31 @@ def test_the_updates_phases_add_up_to_its_seconds_and_recompute_is_checkpointing
 
     before = hooks()  # DeepSpeed's own
     t0 = time.perf_counter()
-    stats, _ = grpo_update(engine, batch, cfg, eos)
+    stats, _ = grpo_update(engine, batch, cfg, eos, timed=True)  # grpo_vllm_one.py --time_phases
     seconds = time.perf_counter() - t0
     phases = {phase: stats[f"{phase}_s"] for phase in PHASES}
     assert all(phases[p] > 0 for p in ("forward", "log_softmax", "backward", "loss", "optimizer")), phases
     assert (phases["recompute"] > 0) == checkpointing, phases
     assert sum(phases.values()) == pytest.approx(seconds, rel=0.1), (phases, seconds)
     assert hooks() == before  # the timing hooks come off with the update
+
+
+def test_an_update_is_untimed_by_default_no_hook_no_wait_no_phase_in_its_stats(monkeypatch):
+    """Without --time_phases the update puts no hook on the model and never waits for the device: phase_timer's
+    synchronized_time is not called once, and no phase's seconds are logged."""
+    import simple_grpo.run.phase_timer as phase_timer
+    cfg, engine, eos, batch = tiny_update(beta=0.0, gradient_checkpointing=True)
+    waits, added = [], []
+    monkeypatch.setattr(phase_timer, "synchronized_time", lambda: waits.append(1) or time.time())
+    for module in engine.module.modules():  # every hook put on any module during the update
+        for kind in ("register_forward_hook", "register_forward_pre_hook"):
+            original = getattr(module, kind)
+            monkeypatch.setattr(module, kind, lambda *a, _o=original, **k: added.append(a) or _o(*a, **k))
+    stats, _ = grpo_update(engine, batch, cfg, eos)
+    assert waits == [] and added == []
+    assert not any(f"{phase}_s" in stats for phase in PHASES) and stats["grad_norm"] is not None
+    stats, _ = grpo_update(engine, batch, cfg, eos, timed=True)  # the same update, timed: both happen
+    assert waits and added and all(f"{phase}_s" in stats for phase in PHASES)
 
 
 def test_busy_seconds_are_the_union_of_a_traces_ops_and_leave_the_idle_time_out():

@@ -15,10 +15,11 @@ and, where the update is profiled (grpo_vllm_one.py --profile_step, CUDA only), 
 The model's phases are found by hooks on its modules (forward: the whole model's forward; log_softmax's
 backward: until the logits' gradient is ready; recompute: a checkpointed layer's forward while backward runs),
 put on for one update and taken off after it. On CUDA each boundary waits for the GPU (synchronized_time), so a
-phase's seconds are its work's, not its launch's.
+phase's seconds are its work's, not its launch's. So it is opt-in (grpo_vllm_one.py --time_phases; bench/gpu_scale.py
+sets it): an update that is not timed runs with Untimed, no hook and no wait.
 """
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -129,6 +130,29 @@ class UpdatePhases:
 
     def seconds(self):
         return {f"{phase}_s": seconds for phase, seconds in self.spent.items()}
+
+
+class Untimed:
+    """UpdatePhases's stand-in where the update is not timed (grpo_vllm_one.py without --time_phases): each
+    block is a plain block, with no hook on the model and no wait for the GPU; seconds() is empty."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        pass
+
+    def timed(self, phase):
+        return nullcontext()
+
+    def forward(self):
+        return nullcontext()
+
+    def backward(self):
+        return nullcontext()
+
+    def seconds(self):
+        return {}
 
 
 def busy_seconds(events, device_type):

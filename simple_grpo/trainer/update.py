@@ -11,7 +11,7 @@ from simple_grpo.devices import max_over_ranks, sum_over_ranks
 from simple_grpo.logprobs import sequence_logps
 from simple_grpo.run.doctor import sampler_gap_details
 from simple_grpo.run.metrics import add_part_stats, stats_over_ranks
-from simple_grpo.run.phase_timer import UpdatePhases
+from simple_grpo.run.phase_timer import Untimed, UpdatePhases
 
 
 def loss_options(cfg):
@@ -75,7 +75,7 @@ def reference_logps(engine, batch, cfg):
     return torch.cat(logps)
 
 
-def grpo_update(engine, batch, cfg, stop_ids, profile=False):
+def grpo_update(engine, batch, cfg, stop_ids, timed=False, profile=False):
     """The GRPO update on one collated batch: the loss's diagnostics, and the per-token log-probs.
 
     The ratio's denominator, pi_old, is the trainer's own log-probs from the first iteration (old_logps;
@@ -85,8 +85,9 @@ def grpo_update(engine, batch, cfg, stop_ids, profile=False):
     takes several steps on the same rollouts (PPO's epochs): from the second on, the ratio moves off 1
     and the clip bounds the update. With micro_batch_groups, forward and backward go a few groups at a
     time and the gradients add up to the whole batch's, for one optimizer step. Returns the stats and the
-    last iteration's per-token log-probs (for the completions log). profile: also the GPU's idle seconds in
-    the update (CUDA; torch.profiler, which slows it)."""
+    last iteration's per-token log-probs (for the completions log). timed: also the update's seconds by phase
+    (run/phase_timer.py; on CUDA it waits for the GPU at each phase's end); profile: with them, the GPU's idle
+    seconds in the update (CUDA; torch.profiler, which slows it)."""
     # training mode: from_pretrained leaves the model in evaluation mode, and gradient checkpointing
     # (--gradient_checkpointing) and dropout (unless --disable_dropout) act only in training mode
     engine.train()
@@ -108,7 +109,7 @@ def grpo_update(engine, batch, cfg, stop_ids, profile=False):
     old_logps, skipped, norm = None, 0, None  # old_logps (B, C): the trainer's own, set by the first iteration
     tis_cap = getattr(cfg, "tis_cap", 0.0)  # grpo_vllm_one's option: only it has a sampler of its own
     sampler_is_pi_old = sampler_logps is not None and tis_cap == 0  # no TIS: vLLM's numbers are the ratio's base
-    with UpdatePhases(engine, profile) as phases:  # forward's seconds, backward's, ... (run/phase_timer.py)
+    with (UpdatePhases(engine, profile) if timed or profile else Untimed()) as phases:  # --time_phases: by phase
         for _ in range(cfg.num_iterations):
             loss, stats, new_logps, entropy = 0.0, {}, [], 0.0
             for i, (q0, q1) in enumerate(parts + [parts[0]] * (passes - len(parts))):
@@ -152,6 +153,6 @@ def grpo_update(engine, batch, cfg, stop_ids, profile=False):
         for key, value in details.items():
             stats.setdefault(key, value)
     stats = stats_over_ranks(stats)  # the whole batch's, the same on every rank
-    stats.update(phases.seconds())  # forward_s, log_softmax_s, recompute_s, backward_s, loss_s, optimizer_s, gpu_wait_s
+    stats.update(phases.seconds())  # timed: forward_s, log_softmax_s, recompute_s, backward_s, loss_s, optimizer_s
     stats.update(step_stats(engine, norm, skipped, cfg.num_iterations))
     return stats, torch.cat(new_logps)
