@@ -186,25 +186,6 @@ def main(cfg: Config):
     check_alive = lambda: check_workers(workers)  # noqa: E731 - stops the run, naming a worker that died
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on `kill` too
 
-    def take(step):
-        """The next group for this rank; while it waits, the bar says what for and the worker's progress."""
-        def waiting(waited_s):
-            check_alive()
-            if progress is None:  # a rank without a worker: another rank's worker fills the ref server
-                deadline = cfg.data_timeout + (cfg.startup_timeout if step == first_step else 0)
-                if waited_s > deadline:
-                    raise SystemExit(f"no batch for rank {rank} came from the ref server in {deadline:.0f} s")
-                return
-            stop_reason = progress.update(step)
-            if stop_reason:
-                raise SystemExit(stop_reason)
-            bar.set_description_str(progress.describe(step, waited_s))
-            progress.check_deadline(waited_s)
-        k = batch_worker(step, rank, served, cfg)
-        if uses_ref_server(cfg):
-            return take_group(cfg, stream_id(run_id, rank, world, cfg, k), None, waiting, step - 1)
-        return take_local_group(workers[k][1].groups, waiting)
-
     try:
         wait_for_vllm(workers, cfg)  # on a GPU it shares with vLLM, the trainer loads once vLLM is up
         engine, tokenizer = make_engine(cfg)
@@ -227,6 +208,26 @@ def main(cfg: Config):
         bar = tqdm(range(first_step, cfg.steps + 1), desc="grpo (vllm)", initial=first_step - 1, total=cfg.steps,
                    disable=rank != 0)
         trained, stop_reason = 0, None  # completions in a trained group; why the run stops early (None: it goes on)
+
+        def take(step):
+            """The next group for this rank; while it waits, the bar says what for and the worker's progress."""
+            def waiting(waited_s):
+                check_alive()
+                if progress is None:  # a rank without a worker: another rank's worker fills the ref server
+                    deadline = cfg.data_timeout + (cfg.startup_timeout if step == first_step else 0)
+                    if waited_s > deadline:
+                        raise SystemExit(f"no batch for rank {rank} came from the ref server in {deadline:.0f} s")
+                    return
+                stop_reason = progress.update(step)
+                if stop_reason:
+                    raise SystemExit(stop_reason)
+                bar.set_description_str(progress.describe(step, waited_s))
+                progress.check_deadline(waited_s)
+            k = batch_worker(step, rank, served, cfg)
+            if uses_ref_server(cfg):
+                return take_group(cfg, stream_id(run_id, rank, world, cfg, k), None, waiting, step - 1)
+            return take_local_group(workers[k][1].groups, waiting)
+
         for step in bar:
             # GRPO 3. the next batch of groups the worker made, with the reference's log-probs (from the ref
             # server; with LoRA and no --ref_url, from our own model with its adapters off, just below)
