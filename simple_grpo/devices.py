@@ -134,13 +134,13 @@ def max_over_ranks(value):
     return t.item()
 
 
-def sum_over_ranks(value):
-    """The sum of the ranks' values, the same on every rank (one rank: the value itself)."""
+def sum_over_ranks(*values):
+    """Each value summed over the ranks, the same on every rank, in one all-reduce (one rank: the values)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return float(value)
-    t = torch.tensor([float(value)], device=collective_device(), dtype=torch.float64)
+        return [float(v) for v in values]
+    t = torch.tensor([float(v) for v in values], device=collective_device(), dtype=torch.float64)
     dist.all_reduce(t)
-    return t.item()
+    return t.tolist()
 
 
 def check_shared_memory(nbytes, path="/dev/shm"):

@@ -10,6 +10,7 @@ signal. For each case a fresh engine from the same weights takes 3 steps; rank 0
 OUT_DIR/CASE.json (each step's logged loss, gradient norm and diagnostics) and OUT_DIR/CASE.npy (how far
 every weight moved, gathered whole under ZeRO-3).
 """
+import contextlib
 import json
 import os
 import sys
@@ -38,11 +39,12 @@ RANK_GROUPS = {1: [(0, 4)], 2: [(0, 3), (3, 4)]}  # (first, end) groups of each 
 def whole_weights(engine):
     """Every trainable weight, flattened into one float64 vector (gathered whole under ZeRO-3)."""
     params = [p for p in engine.module.parameters() if p.requires_grad]
+    gather = contextlib.nullcontext()
     if engine.zero_optimization_stage() == 3:
         import deepspeed
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            return torch.cat([p.detach().double().flatten() for p in params])
-    return torch.cat([p.detach().double().flatten() for p in params])
+        gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    with gather:
+        return torch.cat([p.detach().double().flatten() for p in params])
 
 
 def global_batch(engine, tok, cfg):

@@ -25,3 +25,17 @@ def test_the_gpu_real_model_command_runs_in_its_tiny_form():
     assert report["s_per_step"] > 0 and 0 <= report["sampler_gap_mean"] <= report["sampler_gap_max"] < 0.1
     assert "--dtype" in report["trainer_flags"] and "--use_peft" not in report["trainer_flags"]  # full fine-tuning
     assert "GRPO - start:" in out.stdout
+
+
+def test_a_child_past_its_minutes_is_stopped_and_says_so_one_within_them_is_not():
+    """tools/gpu_real.py --minutes runs the trainer through launch.run_child with a time limit: past it the child
+    is stopped (and run_child says the limit stopped it); a child that ends in time is waited for, and a failing
+    one still stops the caller, naming it."""
+    import time
+    from tools.launch import child_env, run_child
+    t0 = time.time()
+    assert run_child(["-c", "import time; time.sleep(60)"], child_env(), "a sleeper", minutes=0.02) is True
+    assert time.time() - t0 < 30  # stopped at its 1.2 s, not left to run its 60
+    assert run_child(["-c", "pass"], child_env(), "a quick one", minutes=1) is False
+    with pytest.raises(SystemExit, match="a failing one failed with exit code 3"):
+        run_child(["-c", "raise SystemExit(3)"], child_env(), "a failing one", minutes=1)

@@ -22,13 +22,12 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from simple_grpo.evaluation import paired_gain, print_before_after, read_details  # noqa: E402
-from tools.launch import ROOT, TEST, child_env, evaluate, git_commit, stop, trained_checkpoint  # noqa: E402
+from tools.launch import ROOT, TEST, child_env, evaluate, git_commit, run_child, trained_checkpoint  # noqa: E402
 from tools.smollm2_recipe import EVAL_FLAGS, MAX_NEW_TOKENS, SYSTEM_PROMPT, write_answers_only  # noqa: E402
 
 KEEP = ("accuracy", "accuracy_strict", "format_rate", "mean_tokens", "n")
@@ -43,23 +42,6 @@ def trainer_flags(args, answers_only):
             "--max_new_tokens", str(MAX_NEW_TOKENS), "--steps", str(args.steps),
             "--save_every", str(args.save_every or (25 if args.minutes else args.steps)),
             "--seed", str(args.seed), "--run_name", args.run_name + "_grpo", "--overwrite", *args.train_args]
-
-
-def train(command, env, minutes):
-    """grpo_vllm_one.py as a child process, stopped with us; with minutes > 0, stopped (SIGTERM: it stops its vLLM
-    worker on the way out) once that many minutes have passed. Returns whether the time limit stopped it."""
-    proc = subprocess.Popen([sys.executable, *command], cwd=ROOT, env=env)
-    try:
-        proc.wait(timeout=minutes * 60 if minutes > 0 else None)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        print(f"gpu_real: {minutes} minutes are up: stopping the trainer; its last checkpoint is evaluated", flush=True)
-        timed_out = True
-    finally:
-        stop(proc)
-    if not timed_out and proc.returncode != 0:
-        raise SystemExit(f"grpo_vllm_one.py failed with exit code {proc.returncode}")
-    return timed_out
 
 
 def run_figures(run_dir):
@@ -109,7 +91,7 @@ def main():
     start = evaluate(args.start, env, TEST, [*eval_args, "--details", details["start"]])
     print(f"\n== 2/3 GRPO, full fine-tuning in {args.dtype}, {args.steps} steps of 8 x 8", flush=True)
     command = trainer_flags(args, answers_only)
-    stopped = train(command, env, args.minutes)
+    stopped = run_child(command, env, "grpo_vllm_one.py", args.minutes)  # SIGTERM stops its vLLM worker too
     checkpoint, steps = trained_checkpoint(run_dir + "_grpo")
     print(f"\n== 3/3 after {steps} steps, greedy on the same problems", flush=True)
     after = evaluate(checkpoint, env, TEST, [*eval_args, "--details", details["after"]])

@@ -148,12 +148,19 @@ def cached_evaluate(name, model, start, env, eval_args, details):
     return figures
 
 
-def run_child(cmd, env, what):
+def run_child(cmd, env, what, minutes=0):
     """A step of a demo or study (a script of this repository and its flags) as a child process, stopped with
-    us; its failure stops the demo or study, naming `what`."""
+    us; its failure stops the demo or study, naming `what`. With minutes > 0 it is stopped (SIGTERM) once that
+    many minutes have passed; returns whether the time limit stopped it."""
     proc = subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env=env)
     try:
-        if proc.wait() != 0:
+        try:
+            proc.wait(timeout=minutes * 60 if minutes > 0 else None)
+        except subprocess.TimeoutExpired:
+            print(f"{what}: {minutes} minutes are up: stopping it", flush=True)
+            return True
+        if proc.returncode != 0:
             raise SystemExit(f"{what} failed with exit code {proc.returncode}")
+        return False
     finally:
         stop(proc)

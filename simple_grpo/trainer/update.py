@@ -93,7 +93,7 @@ def grpo_update(engine, batch, cfg, stop_ids, timed=False, profile=False):
     engine.train()
     batch = {k: v.to(engine.device) for k, v in batch.items()}
     loss_mask = completion_mask(batch["completion_ids"], stop_ids, cfg.mask_truncated_completions)  # (B, C)
-    Q, G, parts = micro_batches(batch, cfg)
+    _, G, parts = micro_batches(batch, cfg)
     # every rank runs as many forward/backward passes as the rank with the most parts: ZeRO-2 reduces the
     # gradients in each backward and ZeRO-3 gathers the weights in each forward and backward, and ranks
     # that run different numbers of passes wait for each other forever. A rank with fewer groups (with
@@ -103,8 +103,11 @@ def grpo_update(engine, batch, cfg, stop_ids, timed=False, profile=False):
     # count of the whole batch, over every rank. DeepSpeed averages the ranks' gradients (their sum over the
     # world size): a rank's share is world times its part of the sum, so that average is the batch's gradient
     world = engine.dp_world_size
-    denominator = sum_over_ranks(loss_denominator(loss_mask, cfg.loss_type, cfg.max_new_tokens)) / world
-    tokens = sum_over_ranks(loss_mask.sum())  # the whole batch's completion tokens: the diagnostics' weights
+    # tokens: the whole batch's completion tokens, the diagnostics' weights (at least 1: --mask_truncated_completions
+    # can leave none)
+    denominator, tokens = sum_over_ranks(loss_denominator(loss_mask, cfg.loss_type, cfg.max_new_tokens),
+                                         loss_mask.sum())
+    denominator, tokens = denominator / world, max(tokens, 1.0)
     sampler_logps = batch.get("sampler_logps")  # (B, C) vLLM's; None where the trainer's own policy sampled
     old_logps, skipped, norm = None, 0, None  # old_logps (B, C): the trainer's own, set by the first iteration
     tis_cap = getattr(cfg, "tis_cap", 0.0)  # grpo_vllm_one's option: only it has a sampler of its own
