@@ -5,9 +5,16 @@ log-probability of the better-than-average ones (Shao et al. 2024, DeepSeekMath)
 
     A_i      = (r_i - mean(r_group)) / (std(r_group) + eps)                   group-relative advantage
     ratio_t  = exp(logp_t - old_logp_t)                                        importance ratio per token
-    L_clip_t = -min(ratio_t * A, clip(ratio_t, 1 - epsilon, 1 + epsilon_high) * A)
+    w_t      = min(exp(old_logp_t - vllm_logp_t), tis_cap)                   grpo_vllm_one.py: vLLM sampled
+    L_clip_t = -w_t * min(ratio_t * A, clip(ratio_t, 1 - epsilon, 1 + epsilon_high) * A)
     KL_t     = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                     k3 estimator, >= 0
     loss     = mean over sequences of [ mean over completion tokens of (L_clip_t + beta * KL_t) ]
+
+old_logp is pi_old, the policy that sampled as the trainer computes it: its own log-probs before the
+step (so ratio_t is 1 in a step's first iteration, and only its gradient counts). w_t is 1 in
+grpo_train.py, whose policy samples for itself; in grpo_vllm_one.py vLLM sampled, with weights up to a
+few updates old and other kernels, and w_t, detached, corrects for that. With --tis_cap 0 there is no
+w_t, and vLLM's log-probs are old_logp.
 
 grpo_objective, first below, is that loss in a dozen lines, for reading. grpo_loss, last, computes
 the same number with the variants of the papers that followed as options (names as in TRL's
@@ -27,14 +34,18 @@ import torch
 
 
 # ---------------------------------------------------------------------------- GRPO in one function
-def grpo_objective(logps, old_logps, ref_logps, rewards, loss_mask, G, beta=0.04, epsilon=0.2):
+def grpo_objective(logps, old_logps, ref_logps, rewards, loss_mask, G, sampler_logps=None, beta=0.04, epsilon=0.2,
+                   tis_cap=2.0):
     """The GRPO loss, term by term (tests/test_grpo_math.py: equal to grpo_loss's default).
-    logps, old_logps, ref_logps, loss_mask: (B, C) per completion token; rewards: (B,)."""
+    logps, old_logps, ref_logps, loss_mask, sampler_logps: (B, C) per completion token; rewards: (B,).
+    sampler_logps: vLLM's log-probs (grpo_vllm_one.py), None where the policy sampled itself."""
     r = rewards.view(-1, G)                                                           # (Q, G)
     advantage = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1, 1)  # (B, 1)
     ratio = torch.exp(logps - old_logps)                                              # pi / pi_old, per token
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon)                            # the trust region
     surrogate = torch.min(ratio * advantage, clipped * advantage)                     # PPO's pessimistic bound
+    if sampler_logps is not None:                                                     # capped importance weight
+        surrogate = surrogate * torch.exp(old_logps - sampler_logps).clamp(max=tis_cap).detach()
     d = ref_logps - logps
     kl = torch.exp(d) - d - 1                                                         # KL to the reference (k3)
     per_token = -(surrogate - beta * kl)                                              # maximise A, stay near ref
@@ -88,7 +99,7 @@ def completion_mask(completion_ids, stop_ids, mask_truncated=False):
 ADVANTAGE_ESTIMATORS = ("grpo", "raft")
 
 
-def group_advantages(rewards, group_size, scale_rewards="group", eps=1e-4, estimator="grpo", correct=None):
+def group_advantages(rewards, group_size, *, scale_rewards="group", eps=1e-4, estimator="grpo", correct=None):
     """A = r - mean_group, divided by a std: the group's ("group", GRPO), the whole batch's
     ("batch", more robust when a group's rewards are nearly equal) or none ("none", Dr. GRPO:
     dividing by a small std weights easy and hard questions up). rewards (B,), group after group.

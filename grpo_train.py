@@ -31,7 +31,8 @@ functions, constants and flags a step runs through):
 Every number a default step uses is a flag, `python grpo_train.py --help` lists each with its default
 (simple_grpo/trainer/config.py's TrainerConfig, and the task/config.py TaskConfig it extends: G, T,
 --max_new_tokens), the 1e-4 added to a group's reward std too (--advantage_eps; TRL's value).
-At start it prints each default it derived from the other flags, and why (trainer/config.py's check_options);
+At start it prints every number of a step as one block, and why for each default it derived from other flags
+(trainer/config.py's check_options);
 runs/NAME/config.json holds every flag as resolved. It writes one JSON line per step to runs/NAME/metrics.jsonl
 (a step with no group kept logs its update's figures as null), checkpoints to runs/NAME/step_N/ (HF format, plus
 the state --resume continues from), and the curves to runs/NAME/curves.png.
@@ -125,7 +126,8 @@ def main(cfg: Config):
 
         # GRPO 2. score them; group-relative advantages; keep the groups with a non-zero advantage
         rewards, scores = score_groups(texts, batch_problems, G, reward_weights)  # (Q*G,), a breakdown each
-        advantages = group_advantages(rewards, G, cfg.scale_rewards, cfg.advantage_eps, cfg.advantage_estimator,
+        advantages = group_advantages(rewards, G, scale_rewards=cfg.scale_rewards, eps=cfg.advantage_eps,
+                                      estimator=cfg.advantage_estimator,
                                       correct=correct_rows(scores, reward_weights)).float()  # raft: the correct ones
         has_signal = groups_with_signal(advantages, G)  # (Q,): GRPO: the rewards differ
         truncated = is_truncated(completion_ids, stop_ids)  # (Q*G,): cut off at --max_new_tokens

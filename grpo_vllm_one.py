@@ -29,7 +29,8 @@ Every step, in order: the worker's `# GRPO 1.` sample, `2.` score and group, the
 Read the lines marked `# GRPO n.` for the algorithm (the loss itself: grpo_math.py); the rest is
 plumbing from simple_grpo/: the worker processes (generation/workers.py), the weight channel
 (generation/weight_sync.py), the waits (generation/progress.py), the run doctor (run/doctor.py).
-At start it prints each default it derived from the other flags (trainer/config.py's check_options);
+At start it prints every number of a step as one block, and why for each default it derived from other flags
+(trainer/config.py's check_options);
 runs/NAME/config.json holds every flag as resolved. vLLM logs only its errors unless VLLM_LOGGING_LEVEL is set.
 """
 import dataclasses
@@ -245,6 +246,9 @@ def main(cfg: Config):
                 draws[m["worker"]] = max(draws[m["worker"]], m["draws"])
 
             batch = collate(groups, tokenizer.pad_token_id)
+            # the tokens the loss counts: each completion up to its stop token (grpo_math.completion_mask; with
+            # --mask_truncated_completions none of one cut off at --max_new_tokens), built once for the step
+            batch["loss_mask"] = completion_mask(batch["completion_ids"], stop_ids, cfg.mask_truncated_completions)
             t_ref = time.time()
             if cfg.beta != 0 and not uses_ref_server(cfg):  # LoRA: the base model, adapters off
                 batch["ref_logps"] = reference_logps(engine, batch, cfg)
@@ -252,7 +256,7 @@ def main(cfg: Config):
 
             # GRPO 4. the update: grpo_math.grpo_loss on the batch, one optimizer step. The ratio's old_logps are
             # the trainer's own; vLLM's sampler_logps weight each token (--tis_cap; with 0 they are old_logps)
-            update_stats, logps = grpo_update(engine, batch, cfg, stop_ids, timed=cfg.time_phases,
+            update_stats, logps = grpo_update(engine, batch, cfg, timed=cfg.time_phases,
                                               profile=step == cfg.profile_step)
             compute_s = time.time() - t0 - wait_s
 

@@ -75,7 +75,7 @@ def check_upload(tensors, cfg, stop_ids, pad_token_id):
     its first stop token and pads after it)."""
     if "advantages" in tensors:
         rewards = tensors["rewards"].float()
-        ours = group_advantages(rewards, rewards.numel(), cfg.scale_rewards, cfg.advantage_eps)
+        ours = group_advantages(rewards, rewards.numel(), scale_rewards=cfg.scale_rewards, eps=cfg.advantage_eps)
         if not torch.allclose(tensors["advantages"].float(), ours, rtol=1e-5, atol=1e-6):
             raise ValueError(f"the upload's advantages are not this server's (--scale_rewards {cfg.scale_rewards}, "
                              f"--advantage_eps {cfg.advantage_eps:g}): start ref_server_regroup.py with the trainer's "
@@ -160,7 +160,8 @@ class Pools:
                    "completion_ids": torch.stack([torch.nn.functional.pad(a[0], (0, C - a[0].numel()), value=self.pad)
                                                   for a in chosen]),
                    "rewards": rewards,  # advantages over the served group, with the trainer's flags
-                   "advantages": group_advantages(rewards, G, self.cfg.scale_rewards, self.cfg.advantage_eps),
+                   "advantages": group_advantages(rewards, G, scale_rewards=self.cfg.scale_rewards,
+                                                 eps=self.cfg.advantage_eps),
                    "sampler_logps": torch.stack([torch.nn.functional.pad(a[3], (0, C - a[3].numel()), value=NO_LOGP)
                                                  for a in chosen])}  # past an answer's end: no log-prob
         meta = {**pool["meta"], "policy_version": min(versions), "policy_versions": versions}

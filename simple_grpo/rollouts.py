@@ -34,7 +34,7 @@ def make_groups(prompt_rows, completion_ids, until_stop, rewards, G, meta, sampl
     same question). estimator, eps: grpo_math.group_advantages's (grpo, or raft, which needs correct: correct_rows).
     scores: each completion's reward breakdown (task/rewards.py's score), carried in the group's meta for the
     completions log."""
-    advantages = group_advantages(rewards, G, scale_rewards, eps, estimator, correct)
+    advantages = group_advantages(rewards, G, scale_rewards=scale_rewards, eps=eps, estimator=estimator, correct=correct)
     has_signal = groups_with_signal(advantages, G)
     groups = []
     for q in torch.nonzero(has_signal | keep_equal).flatten().tolist():

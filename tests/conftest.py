@@ -16,6 +16,26 @@ for name in os.listdir(os.path.join(ROOT, "runs")) if os.path.isdir(os.path.join
         shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def fresh_deepspeed_world_group():
+    """Many engines in one process, as only the tests make them: DeepSpeed clones torch's world group at a
+    process's first engine (deepspeed.utils.groups._WORLD_GROUP) and reuses the clone for every later one. A
+    test that destroys the process group (vLLM's clean-up, leave_process_group) leaves the clone naming a group
+    torch no longer knows, and the next engine fails ("Group ... is not registered"). After each test, a
+    destroyed group's clone is forgotten, so the next engine clones the world group of now. A run is one
+    process and one engine, so the trainers leave DeepSpeed's state alone."""
+    yield
+    forget_destroyed_world_group()
+
+
+def forget_destroyed_world_group():
+    groups = sys.modules.get("deepspeed.utils.groups")  # only where a test has imported DeepSpeed
+    if groups is not None and groups._WORLD_GROUP is not None:
+        from torch.distributed import distributed_c10d
+        if groups._WORLD_GROUP not in distributed_c10d._world.pg_map:
+            groups._WORLD_GROUP = None
+
+
 GPU_SUMMARY = pytest.StashKey()  # lines tests/test_gpu.py adds, printed once at the end of the session
 
 

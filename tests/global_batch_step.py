@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from grpo_math import group_advantages  # noqa: E402
+from grpo_math import completion_mask, group_advantages  # noqa: E402
 from grpo_vllm_one import Config  # noqa: E402
 from simple_grpo.logprobs import sequence_logps  # noqa: E402
 from simple_grpo.trainer.config import check_options  # noqa: E402
@@ -55,9 +55,10 @@ def global_batch(engine, tok, cfg):
     ends = torch.randint(0, C, (Q * G,), generator=g)  # each completion stops here: 1 to C tokens kept
     ends[: 3 * G] = torch.randint(0, 3, (3 * G,), generator=g)  # groups 0-2 short, group 3 up to C: tokens uneven
     batch["completion_ids"][torch.arange(Q * G), ends] = tok.eos_token_id
+    batch["loss_mask"] = completion_mask(batch["completion_ids"], tok.eos_token_id)
     rewards = torch.rand(Q * G, generator=g).round()  # 0/1: correct or not
-    batch["advantages"] = group_advantages(rewards, G, cfg.scale_rewards, cfg.advantage_eps, cfg.advantage_estimator,
-                                           correct=rewards).float()
+    batch["advantages"] = group_advantages(rewards, G, scale_rewards=cfg.scale_rewards, eps=cfg.advantage_eps,
+                                           estimator=cfg.advantage_estimator, correct=rewards).float()
     with torch.no_grad():  # near the policy's own
         batch["ref_logps"] = sequence_logps(engine, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
                                             cfg.temperature) + 0.1 * torch.randn(Q * G, C, generator=g)
@@ -73,7 +74,7 @@ def run_case(name, stage, micro, out_dir):
     first, end = RANK_GROUPS[world][rank]
     mine = {k: (v[first:end] if k.startswith("prompt") else v[first * G:end * G]) for k, v in batch.items()}
     before = whole_weights(engine)
-    steps = [grpo_update(engine, mine, cfg, [tok.eos_token_id])[0] for _ in range(3)]
+    steps = [grpo_update(engine, mine, cfg)[0] for _ in range(3)]
     moved = (whole_weights(engine) - before).numpy()
     if rank == 0:
         keep = ("loss", "grad_norm", "kl", "clip_fraction", "ratio_mean", "entropy", "tokens", "skipped_updates")

@@ -128,24 +128,26 @@ import json, sys, torch
 from simple_grpo.trainer.deepspeed_engine import make_engine
 from grpo_train import Config
 from simple_grpo.trainer.update import grpo_update
+from grpo_math import completion_mask
 cfg = Config(zero_stage=int(sys.argv[1]), threads=1, lr=1e-6)
 engine, tok = make_engine(cfg)
 g = torch.Generator().manual_seed(0)
 batch = {"prompt_ids": torch.randint(3, 500, (2, 6), generator=g), "prompt_mask": torch.ones(2, 6, dtype=torch.long),
          "completion_ids": torch.randint(3, 500, (8, 5), generator=g), "advantages": torch.randn(8, generator=g),
          "ref_logps": -torch.rand(8, 5, generator=g)}
+batch["loss_mask"] = completion_mask(batch["completion_ids"], tok.eos_token_id)
 weights = lambda: torch.cat([p.detach().flatten().clone() for p in engine.module.parameters()])
 out, before = {}, weights()
 bad = dict(batch, ref_logps=batch["ref_logps"].clone())
 bad["ref_logps"][0, 0] = float("inf")                    # the loss is not finite
-out["loss"] = grpo_update(engine, bad, cfg, tok.eos_token_id)[0]["skipped_updates"]
+out["loss"] = grpo_update(engine, bad, cfg)[0]["skipped_updates"]
 out["loss_unchanged"] = bool(torch.equal(weights(), before))
 param = next(engine.module.parameters())
 hook = param.register_hook(lambda grad: grad * float("nan"))  # the loss is finite, a gradient is not
-out["grad"] = grpo_update(engine, batch, cfg, tok.eos_token_id)[0]["skipped_updates"]
+out["grad"] = grpo_update(engine, batch, cfg)[0]["skipped_updates"]
 out["grad_unchanged"] = bool(torch.equal(weights(), before))
 hook.remove()
-out["clean"] = grpo_update(engine, batch, cfg, tok.eos_token_id)[0]["skipped_updates"]
+out["clean"] = grpo_update(engine, batch, cfg)[0]["skipped_updates"]
 after = weights()
 out["clean_changed"] = bool(not torch.equal(after, before)) and bool(torch.isfinite(after).all())
 print(json.dumps(out))

@@ -12,6 +12,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.gpu_scale import hardware_flops
+from grpo_math import completion_mask
 from grpo_train import Config
 from simple_grpo.run.phase_timer import PHASES, UpdatePhases, busy_seconds
 from simple_grpo.trainer.config import check_options
@@ -35,6 +36,7 @@ def tiny_update(**flags):
     torch.manual_seed(0)
     batch = {"prompt_ids": torch.randint(10, 400, (Q, P)), "prompt_mask": torch.ones(Q, P, dtype=torch.long),
              "completion_ids": torch.randint(10, 400, (Q * G, C)), "advantages": torch.randn(Q * G)}
+    batch["loss_mask"] = completion_mask(batch["completion_ids"], tokenizer.eos_token_id)
     return cfg, engine, tokenizer.eos_token_id, batch
 
 
@@ -46,7 +48,7 @@ def test_the_updates_phases_add_up_to_its_seconds_and_recompute_is_checkpointing
 
     before = hooks()  # DeepSpeed's own
     t0 = time.perf_counter()
-    stats, _ = grpo_update(engine, batch, cfg, eos, timed=True)  # grpo_vllm_one.py --time_phases
+    stats, _ = grpo_update(engine, batch, cfg, timed=True)  # grpo_vllm_one.py --time_phases
     seconds = time.perf_counter() - t0
     phases = {phase: stats[f"{phase}_s"] for phase in PHASES}
     assert all(phases[p] > 0 for p in ("forward", "log_softmax", "backward", "loss", "optimizer")), phases
@@ -66,10 +68,10 @@ def test_an_update_is_untimed_by_default_no_hook_no_wait_no_phase_in_its_stats(m
         for kind in ("register_forward_hook", "register_forward_pre_hook"):
             original = getattr(module, kind)
             monkeypatch.setattr(module, kind, lambda *a, _o=original, **k: added.append(a) or _o(*a, **k))
-    stats, _ = grpo_update(engine, batch, cfg, eos)
+    stats, _ = grpo_update(engine, batch, cfg)
     assert waits == [] and added == []
     assert not any(f"{phase}_s" in stats for phase in PHASES) and stats["grad_norm"] is not None
-    stats, _ = grpo_update(engine, batch, cfg, eos, timed=True)  # the same update, timed: both happen
+    stats, _ = grpo_update(engine, batch, cfg, timed=True)  # the same update, timed: both happen
     assert waits and added and all(f"{phase}_s" in stats for phase in PHASES)
 
 
@@ -102,7 +104,7 @@ def test_the_hardware_flops_are_the_matmuls_torch_counts_in_the_update(checkpoin
         if lora_r:
             batch["ref_logps"] = reference_logps(engine, batch, cfg)
     with FlopCounterMode(display=False) as update:
-        grpo_update(engine, batch, cfg, eos)
+        grpo_update(engine, batch, cfg)
     # torch counts no attention on a CPU (its attention kernel has no FLOP formula there): layers=0 leaves it out
     shape = {**count_parameters(MODEL), "layers": 0}
     counted_update, counted_reference = hardware_flops(shape, Q, G, P, C, checkpointing, lora_r, iterations=1)

@@ -47,10 +47,11 @@ rows = [ids[m.bool()] for ids, m in zip(prompt_ids, prompt_mask)]
 groups, _ = make_groups(rows, completion_ids, mask, rewards, cfg.num_generations,
                         {"run_id": "lora-test", "policy_version": 0, "temperature": cfg.temperature}, keep_equal=True)
 batch = collate([t for t, _ in groups], tok.pad_token_id)
+batch["loss_mask"] = completion_mask(batch["completion_ids"], stop_ids)
 kls = []
 for _ in range(3):
     batch["ref_logps"] = reference_logps(engine, batch, cfg)
-    stats, _ = grpo_update(engine, batch, cfg, stop_ids)
+    stats, _ = grpo_update(engine, batch, cfg)
     kls.append(stats["kl"])
 
 # the reference, two ways: the adapters-off base here, the ref server's model there
@@ -59,7 +60,7 @@ post_groups(cfg, groups)
 served = collate([take_group(cfg, "lora-test", 60)[0] for _ in groups], tok.pad_token_id)["ref_logps"]
 with torch.no_grad():
     policy = sequence_logps(engine, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], cfg.temperature)
-m = completion_mask(batch["completion_ids"], stop_ids).float()
+m = batch["loss_mask"].float()
 kl = lambda ref: ((kl_estimate(policy, ref) * m).sum() / m.sum()).item()
 print(json.dumps({
     "trainable": trainable,

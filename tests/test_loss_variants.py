@@ -121,12 +121,12 @@ def test_scale_rewards_group_batch_and_none():
     group_std = [math.sqrt(1 / 3), math.sqrt(0.75 / 3)]  # unbiased: sum of squares / (4 - 1)
     mean = 5 / 8
     batch_std = math.sqrt(sum((r - mean) ** 2 for r in rewards.tolist()) / 7)
-    got = {s: group_advantages(rewards, 4, s).tolist() for s in ("group", "batch", "none")}
+    got = {s: group_advantages(rewards, 4, scale_rewards=s).tolist() for s in ("group", "batch", "none")}
     assert got["group"] == pytest.approx([c / (group_std[k // 4] + 1e-4) for k, c in enumerate(centred)], abs=1e-6)
     assert got["batch"] == pytest.approx([c / (batch_std + 1e-4) for c in centred], abs=1e-6)
     assert got["none"] == pytest.approx(centred, abs=1e-6)
     with pytest.raises(ValueError, match="scale_rewards"):
-        group_advantages(rewards, 4, "sequence")
+        group_advantages(rewards, 4, scale_rewards="sequence")
 
 
 def test_mask_truncated_completions_drops_a_completion_cut_off_without_eos():
@@ -168,7 +168,7 @@ def test_groups_with_signal_are_the_groups_whose_rewards_differ_under_grpo():
     for scale in ("group", "batch", "none"):
         rewards = torch.randint(0, 4, (64 * 8,), generator=g).float() * 0.5
         rewards[:8 * 8] = 1.0  # some all-alike groups
-        A = group_advantages(rewards, 8, scale)
+        A = group_advantages(rewards, 8, scale_rewards=scale)
         assert torch.equal(groups_with_signal(A, 8), rewards.view(-1, 8).std(1) > 0)
 
 

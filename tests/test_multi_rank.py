@@ -24,6 +24,7 @@ from grpo_train import Config
 from simple_grpo.trainer.config import check_options
 from simple_grpo.trainer.update import grpo_update
 from simple_grpo.logprobs import sequence_logps
+from grpo_math import completion_mask
 from simple_grpo.run.checkpoints import save_checkpoint
 
 args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the deepspeed launcher adds it
@@ -36,6 +37,7 @@ Q, G = 4, 4
 batch = {"prompt_ids": torch.randint(3, 500, (Q, 7), generator=g), "prompt_mask": torch.ones(Q, 7, dtype=torch.long),
          "completion_ids": torch.randint(3, 500, (Q * G, 5), generator=g), "advantages": torch.randn(Q * G, generator=g)}
 batch["completion_ids"][::3, 2] = tok.eos_token_id
+batch["loss_mask"] = completion_mask(batch["completion_ids"], tok.eos_token_id)
 with torch.no_grad():  # reference log-probs near the policy's (every rank computes them for the whole batch)
     batch["ref_logps"] = sequence_logps(engine, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
                                         cfg.temperature) + 0.1 * torch.randn(Q * G, 5, generator=g)
@@ -44,7 +46,7 @@ mine = {k: (v[rank * q:(rank + 1) * q] if k.startswith("prompt") else v[rank * q
         for k, v in batch.items()}
 losses, skipped = [], 0
 for step in range(3):  # three steps on this batch
-    stats, _ = grpo_update(engine, mine, cfg, tok.eos_token_id)
+    stats, _ = grpo_update(engine, mine, cfg)
     losses.append(stats["loss"])
     skipped += stats["skipped_updates"]
 loss = torch.tensor(losses)

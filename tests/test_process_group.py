@@ -34,23 +34,21 @@ def test_a_finished_run_leaves_no_process_group_open(tmp_path, trainer):
     assert not left_open, f"processes that exited with a process group open: {left_open}"
 
 
-SECOND_ENGINE = """
-import torch
-from grpo_train import Config
-from simple_grpo.trainer.config import check_options
-from simple_grpo.trainer.deepspeed_engine import make_engine
-cfg = Config(beta=0.0)
-check_options(cfg)
-make_engine(cfg)
-torch.distributed.destroy_process_group()  # as a run's leave_process_group, or vLLM's clean-up, does
-make_engine(cfg)
-print("second engine made")
-"""
-
-
-def test_a_second_engine_in_one_process_after_the_group_was_destroyed():
-    """DeepSpeed keeps a clone of the first engine's world group; a destroyed group's clone made the next engine in
-    the same process fail ("Group ... is not registered"): make_engine forgets it."""
-    out = subprocess.run([sys.executable, "-c", SECOND_ENGINE], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0 and "second engine made" in out.stdout, out.stderr[-3000:]
+def test_the_suite_makes_a_second_engine_in_one_process_after_the_group_was_destroyed():
+    """A run is one process and one engine; the suite makes many in one process. DeepSpeed keeps a clone of the
+    first engine's world group, and once the group is destroyed (vLLM's clean-up, leave_process_group) the next
+    engine fails ("Group ... is not registered") until conftest's fixture forgets the clone, after each test."""
+    import torch
+    from conftest import forget_destroyed_world_group
+    from grpo_train import Config
+    from simple_grpo.trainer.config import check_options
+    from simple_grpo.trainer.deepspeed_engine import make_engine
+    cfg = Config(beta=0.0, threads=1)
+    check_options(cfg)
+    make_engine(cfg)
+    torch.distributed.destroy_process_group()  # as a run's leave_process_group, or vLLM's clean-up, does
+    with pytest.raises(Exception, match="not registered"):
+        make_engine(cfg)
+    forget_destroyed_world_group()  # what the fixture does after each test
+    engine, _ = make_engine(cfg)
+    assert engine.world_size == 1

@@ -120,18 +120,37 @@ def test_the_tiny_models_lr_is_its_own_from_any_working_directory(tmp_path, monk
 def test_each_derived_default_is_printed_with_why(capsys):
     check_options(Config(model="Qwen/Qwen2.5-0.5B", loss_type="dapo"))
     lines = capsys.readouterr().out.splitlines()
-    assert lines == ["defaults derived for the flags left unset (runs/RUN_NAME/config.json holds every flag as "
-                     "resolved):",
-                     "  epsilon_high 0.28: --loss_type dapo's upper clip",
-                     "  scale_rewards group: each group's reward std divides its advantages",
-                     "  lr 1e-06: the default for a model other than the tiny one",
-                     "  ref_url http://127.0.0.1:59875: the default reference server (python ref_server.py), for "
-                     "--beta 0.04's KL term"]
+    assert [line for line in lines if line.startswith("  * ")] == [
+        "  * epsilon_high 0.28: --loss_type dapo's upper clip",
+        "  * scale_rewards group: each group's reward std divides its advantages",
+        "  * lr 1e-06: the default for a model other than the tiny one",
+        "  * ref_url http://127.0.0.1:59875: the default reference server (python ref_server.py), for "
+        "--beta 0.04's KL term"]
+    block = "\n".join(lines)
+    assert "epsilon_high 0.28*" in block and "lr 1e-06*" in block and "epsilon 0.2," in block
 
 
 def test_flags_the_user_set_are_not_printed_as_derived(capsys):
     check_options(Config(epsilon_high=0.3, scale_rewards="batch", lr=1e-5, ref_url="http://127.0.0.1:9"))
-    assert "derived" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "*" not in out.split("\n", 1)[1] and "epsilon_high 0.3," in out and "lr 1e-05," in out
+
+
+def test_every_number_of_a_step_is_printed_in_one_block_at_start(capsys):
+    """grpo_vllm_one.py's block holds the trainers' numbers and its generation worker's, each with its value."""
+    from grpo_vllm_one import Config as VllmConfig
+    from simple_grpo.trainer.config import STEP_NUMBERS
+    cfg = VllmConfig(tis_cap=1.5, sync_every=2, max_policy_lag=3, beta=0.01)
+    check_options(cfg)
+    out = capsys.readouterr().out
+    block = out[out.index("one step's numbers"):]
+    for names in STEP_NUMBERS.values():
+        for name in names:
+            assert f" {name} " in block, name
+    for shown in ("tis_cap 1.5", "sync_every 2", "max_policy_lag 3", "beta 0.01", "num_generations 8"):
+        assert shown in block
+    check_options(Config())  # grpo_train.py: no generation worker, no generation line
+    assert "generation:" not in capsys.readouterr().out
 
 
 def test_a_deepspeed_files_precision_stage_and_lr_print_as_derived(tmp_path, capsys):
@@ -142,8 +161,8 @@ def test_a_deepspeed_files_precision_stage_and_lr_print_as_derived(tmp_path, cap
     check_options(cfg)
     out = capsys.readouterr().out
     assert (cfg.dtype, cfg.zero_stage, cfg.lr) == ("bfloat16", 2, 3e-5)
-    for line in (f"  lr 3e-05: from --deepspeed {path}", f"  zero_stage 2: from --deepspeed {path}",
-                 f"  dtype bfloat16: from --deepspeed {path}"):
+    for line in (f"  * lr 3e-05: from --deepspeed {path}", f"  * zero_stage 2: from --deepspeed {path}",
+                 f"  * dtype bfloat16: from --deepspeed {path}"):
         assert line in out.splitlines()
 
 
@@ -165,18 +184,19 @@ def test_num_iterations_reuses_the_rollouts_and_the_second_ratio_is_the_first_st
     batch = {"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"], "completion_ids": completions,
              "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])}
     mask = completion_mask(completions, tokenizer.eos_token_id)
+    batch["loss_mask"] = mask
 
     def logps(engine):
         with torch.no_grad():
             return sequence_logps(engine.module, batch["prompt_ids"], batch["prompt_mask"], completions, cfg1.temperature)
 
     before = logps(one)
-    stats1, _ = grpo_update(one, dict(batch), cfg1, tokenizer.eos_token_id)
+    stats1, _ = grpo_update(one, dict(batch), cfg1)
     after_one_step = logps(one)
     assert stats1["ratio_mean"] == pytest.approx(1.0)
     cfg2, two, _ = engine_for(2)
     assert torch.allclose(logps(two), before)  # the same start
-    stats2, _ = grpo_update(two, dict(batch), cfg2, tokenizer.eos_token_id)
+    stats2, _ = grpo_update(two, dict(batch), cfg2)
     hand = ((torch.exp(after_one_step - before) * mask).sum() / mask.sum()).item()
     assert stats2["ratio_mean"] == pytest.approx(hand, abs=1e-5) and abs(hand - 1) > 1e-4
     assert two.global_steps == 2 and one.global_steps == 1
@@ -197,8 +217,9 @@ def test_vllms_log_probs_are_pi_old_with_tis_cap_0_and_weight_the_tokens_otherwi
     with torch.no_grad():
         own = sequence_logps(engine.module, enc["input_ids"], enc["attention_mask"], completions, cfg.temperature)
     batch = {"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"], "completion_ids": completions,
-             "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]), "sampler_logps": own - 0.05}
-    stats, _ = grpo_update(engine, batch, cfg, tokenizer.eos_token_id)
+             "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]), "sampler_logps": own - 0.05,
+             "loss_mask": completion_mask(completions, tokenizer.eos_token_id)}
+    stats, _ = grpo_update(engine, batch, cfg)
     if tis_cap == 0:
         assert stats["ratio_mean"] == pytest.approx(math.exp(0.05), abs=1e-4)
         assert "is_weight_mean" not in stats
@@ -218,6 +239,7 @@ def test_micro_batches_give_the_whole_batchs_step(zero_stage, loss_type):
              "completion_ids": torch.randint(3, 500, (Q * G, 5)), "advantages": torch.randn(Q * G),
              }
     batch["completion_ids"][::3, 2] = 2  # some completions end early (EOS is id 2 in the tiny tokenizer)
+    batch["loss_mask"] = completion_mask(batch["completion_ids"], 2)
     from transformers import AutoModelForCausalLM
     with torch.no_grad():  # reference log-probs near the policy's, as a real reference model's are
         model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
@@ -237,7 +259,7 @@ def test_micro_batches_give_the_whole_batchs_step(zero_stage, loss_type):
             return add
 
         hooks = [p.register_hook(adder(acc)) for p, acc in zip(params, grads)]
-        stats, _ = grpo_update(engine, dict(batch), cfg, tokenizer.eos_token_id)
+        stats, _ = grpo_update(engine, dict(batch), cfg)
         for h in hooks:
             h.remove()
         results.append((torch.cat([g.flatten() for g in grads]), stats))

@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton_loss  # noqa: E402
+from grpo_math import completion_mask  # noqa: E402
 from grpo_vllm_one import Config  # noqa: E402
 from simple_grpo.flags import parse_flags  # noqa: E402
 from simple_grpo.logprobs import sequence_logps  # noqa: E402
@@ -49,6 +50,7 @@ def measure(flags):
              "prompt_mask": torch.ones(Q, P, dtype=torch.long),
              "completion_ids": torch.randint(3, 500, (Q * G, C), generator=g),
              "advantages": torch.randn(Q * G, generator=g)}
+    batch["loss_mask"] = completion_mask(batch["completion_ids"], tok.eos_token_id)
     if cfg.use_peft:  # the reference: the base, adapters off
         batch["ref_logps"] = reference_logps(engine, batch, cfg)
     else:  # a reference near the policy, as at the start of a run
@@ -65,7 +67,7 @@ def measure(flags):
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        stats, _ = grpo_update(engine, batch, cfg, tok.eos_token_id)
+        stats, _ = grpo_update(engine, batch, cfg)
     update_modes, update_rows, update_triton_calls = list(modes), list(rows), triton_calls[0]
 
     with torch.no_grad():  # two forwards of the same batch in training mode: equal unless dropout acts

@@ -31,7 +31,7 @@ RULES = {
 
 
 GAP_OUTLIER = 1.0  # nats: a token whose sampler and trainer log-probs differ by more is no precision noise
-# (bf16 on the tiny model: at most 0.06; a healthy 7B bf16 run, one version of policy lag: 0.32)
+# (the gaps measured in bf16, on the CPU and on GPUs: docs/gpu_notes.md, "Sampler and trainer disagree a little")
 
 
 def sampler_gap_details(completion_ids, loss_mask, trainer_logps, sampler_logps):

@@ -2,7 +2,8 @@
 
 Every number a default step uses is a field's default here, in the TaskConfig this extends (G, T,
 --max_new_tokens) or, for grpo_vllm_one.py, in generation/config.py (tis_cap, sync_every, max_policy_lag,
-gen_memory), and each trainer's --help lists it: the objective's
+gen_memory); each trainer's --help lists it, and check_options prints them all as one block at start
+(STEP_NUMBERS, step_numbers): the objective's
 beta and epsilon (grpo_math.grpo_loss, whose keyword defaults are the same), the optimizer's lr, betas,
 eps, weight decay and clip (deepspeed_config.flag_config passes them to DeepSpeed), the 1e-4 added to a
 group's reward std (--advantage_eps, grpo_math.group_advantages's eps). Only --lr's default depends on the
@@ -12,6 +13,7 @@ Each script's Config extends TrainerConfig with the flags that are its own (grpo
 generation worker's, simple_grpo/generation/config.py); check_options fills in the defaults that depend
 on other flags and refuses bad values before the slow start-up.
 """
+import dataclasses
 import multiprocessing
 import os
 from dataclasses import dataclass
@@ -145,10 +147,41 @@ def check_options(cfg):
     if first_process():
         for note in notes:
             print(note)
-        if derived:
-            print("defaults derived for the flags left unset (runs/RUN_NAME/config.json holds every flag as resolved):")
-        for name, (value, why) in derived.items():
-            print(f"  {name} {f'{value:g}' if isinstance(value, float) else value}: {why}")
+        print(step_numbers(cfg, derived))
+
+
+# the numbers that decide what one step computes, printed as one block at start (step_numbers); the last
+# section is grpo_vllm_one.py's own (simple_grpo/generation/config.py)
+STEP_NUMBERS = {
+    "sampling": ("batch_prompts", "num_generations", "max_new_tokens", "min_new_tokens", "temperature"),
+    "objective": ("beta", "kl_estimator", "epsilon", "epsilon_high", "loss_type", "importance_sampling_level",
+                  "advantage_estimator", "scale_rewards", "advantage_eps", "mask_truncated_completions"),
+    "optimisation": ("lr", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay", "max_grad_norm",
+                     "num_iterations", "micro_batch_groups"),
+    "generation": ("tis_cap", "sync_every", "max_policy_lag", "gen_memory", "max_model_len"),
+}
+
+
+def step_numbers(cfg, derived):
+    """One block: every number of a step under its section, a * on each default filled in from other flags
+    (derived: {flag: (value, why)}), and why for each of those, ref_url's included."""
+    def shown(value):
+        return f"{value:g}" if isinstance(value, float) else str(value)
+    flags = {f.name for f in dataclasses.fields(cfg)}
+    lines = ["one step's numbers (* filled in from other flags; runs/RUN_NAME/config.json holds every flag):"]
+    for section, names in STEP_NUMBERS.items():
+        values = [f"{name} {shown(getattr(cfg, name))}{'*' if name in derived else ''}"
+                  for name in names if name in flags]  # grpo_train.py has no generation worker's flags
+        indent, line = f"  {section + ':':<14}", ""
+        for value in values:  # whole values, as many as fit in a line of about 110 characters
+            if line and len(line) + len(value) > 92:
+                lines.append(f"{indent}{line},")
+                indent, line = " " * 16, ""
+            line += (", " if line else "") + value
+        if line:
+            lines.append(indent + line)
+    lines += [f"  * {name} {shown(value)}: {why}" for name, (value, why) in derived.items()]
+    return "\n".join(lines)
 
 
 def from_deepspeed_file(cfg, ds_config, defaults):

@@ -51,7 +51,6 @@ def make_engine(cfg):
         model = add_adapters(model, cfg)
     if cfg.disable_dropout:
         disable_dropout(model)
-    forget_destroyed_world_group()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=deepspeed_config(cfg)[0])
     if cfg.offload_optimizer:  # the host-side optimizer step: all of this rank's share of the cores
@@ -59,17 +58,6 @@ def make_engine(cfg):
         use_threads_in_step(engine.optimizer.optimizer, threads)
         print(f"optimizer offload: AdamW steps on the host with {threads} threads (--offload_threads)")
     return engine, tokenizer
-
-
-def forget_destroyed_world_group():
-    """DeepSpeed clones torch's world group once per process, at its first engine (deepspeed.utils.groups'
-    _WORLD_GROUP), and uses the clone for every later engine. Where that group was destroyed since (a run's
-    leave_process_group, vLLM's clean-up: a second engine in one process, as in the tests or a notebook), the
-    clone names a group torch no longer knows ("Group ... is not registered"): forget it, and DeepSpeed clones
-    the world group of now."""
-    from deepspeed.utils import groups
-    if groups._WORLD_GROUP is not None and groups._WORLD_GROUP not in torch.distributed.distributed_c10d._world.pg_map:
-        groups._WORLD_GROUP = None
 
 
 def leave_process_group():

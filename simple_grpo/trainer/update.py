@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from grpo_math import completion_mask, grpo_loss, loss_denominator
+from grpo_math import grpo_loss, loss_denominator
 from simple_grpo.devices import max_over_ranks, sum_over_ranks
 from simple_grpo.logprobs import sequence_logps
 from simple_grpo.run.doctor import sampler_gap_details
@@ -75,8 +75,9 @@ def reference_logps(engine, batch, cfg):
     return torch.cat(logps)
 
 
-def grpo_update(engine, batch, cfg, stop_ids, timed=False, profile=False):
+def grpo_update(engine, batch, cfg, *, timed=False, profile=False):
     """The GRPO update on one collated batch: the loss's diagnostics, and the per-token log-probs.
+    batch["loss_mask"] (B, C) says which completion tokens the loss counts (grpo_math.completion_mask).
 
     The ratio's denominator, pi_old, is the trainer's own log-probs from the first iteration (old_logps;
     ratio 1 there). vLLM sampled the batch (batch["sampler_logps"]: its log-probs, of an older policy
@@ -92,7 +93,7 @@ def grpo_update(engine, batch, cfg, stop_ids, timed=False, profile=False):
     # (--gradient_checkpointing) and dropout (unless --disable_dropout) act only in training mode
     engine.train()
     batch = {k: v.to(engine.device) for k, v in batch.items()}
-    loss_mask = completion_mask(batch["completion_ids"], stop_ids, cfg.mask_truncated_completions)  # (B, C)
+    loss_mask = batch["loss_mask"]  # (B, C)
     _, G, parts = micro_batches(batch, cfg)
     # every rank runs as many forward/backward passes as the rank with the most parts: ZeRO-2 reduces the
     # gradients in each backward and ZeRO-3 gathers the weights in each forward and backward, and ranks
@@ -110,7 +111,7 @@ def grpo_update(engine, batch, cfg, stop_ids, timed=False, profile=False):
     denominator, tokens = denominator / world, max(tokens, 1.0)
     sampler_logps = batch.get("sampler_logps")  # (B, C) vLLM's; None where the trainer's own policy sampled
     old_logps, skipped, norm = None, 0, None  # old_logps (B, C): the trainer's own, set by the first iteration
-    tis_cap = getattr(cfg, "tis_cap", 0.0)  # grpo_vllm_one's option: only it has a sampler of its own
+    tis_cap = cfg.tis_cap if sampler_logps is not None else 0.0  # grpo_vllm_one's --tis_cap: its vLLM sampled
     sampler_is_pi_old = sampler_logps is not None and tis_cap == 0  # no TIS: vLLM's numbers are the ratio's base
     with (UpdatePhases(engine, profile) if timed or profile else Untimed()) as phases:  # --time_phases: by phase
         for _ in range(cfg.num_iterations):
