@@ -10,11 +10,11 @@ log-probability of the better-than-average ones (Shao et al. 2024, DeepSeekMath)
     KL_t     = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                     k3 estimator, >= 0
     loss     = mean over sequences of [ mean over completion tokens of (L_clip_t + beta * KL_t) ]
 
-old_logp is pi_old, the policy that sampled as the trainer computes it: its own log-probs before the
-step (so ratio_t is 1 in a step's first iteration, and only its gradient counts). w_t is 1 in
-grpo_train.py, whose policy samples for itself; in grpo_vllm_one.py vLLM sampled, with weights up to a
-few updates old and other kernels, and w_t, detached, corrects for that. With --tis_cap 0 there is no
-w_t, and vLLM's log-probs are old_logp.
+old_logp is pi_old: the trainer's own log-probs before the step (so ratio_t is 1 in a step's first
+iteration, and only its gradient counts). In grpo_train.py that is the policy that sampled, and w_t is
+1. In grpo_vllm_one.py vLLM sampled, with weights one update older than the trainer's (--max_policy_lag)
+and other kernels; w_t, detached, corrects for that. With --tis_cap 0 there is no w_t, and vLLM's
+log-probs are old_logp.
 
 grpo_objective, first below, is that loss in a dozen lines, for reading. grpo_loss, last, computes
 the same number with the variants of the papers that followed as options (names as in TRL's

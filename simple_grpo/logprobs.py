@@ -4,7 +4,7 @@ grpo_vllm_one.py's update, the reference server (load_reference, then sequence_l
 grpo_math.completion_logps is the plain version a student reads (one forward, log_softmax, gather);
 sequence_logps computes the same numbers faster and in less memory: a group's prompt runs once and
 its KV cache is copied to the G completions, and the log-softmax goes a chunk of rows at a time
-(ChunkedLogProbs), never whole, forward or backward.
+(ChunkedLogProbs), forward and backward, where the logits have more rows than a chunk.
 """
 import torch
 
@@ -15,10 +15,10 @@ class ChunkedLogProbs(torch.autograd.Function):
     """log softmax(logits / T)[token_ids] and its gradient, a few rows at a time.
 
     Forward keeps one row logsumexp per token; backward recomputes the softmax chunk by chunk:
-    d logp_t / d logit_v = (1[v = t] - softmax_v) / T. No (N, V) temporary is ever whole. When
-    the logits are an intermediate that nothing else reads (the lm_head output is: its backward
-    needs its input and weight, not its output), the gradient is written over them, so it
-    costs no new (N, V) tensor either."""
+    d logp_t / d logit_v = (1[v = t] - softmax_v) / T. Its float32 temporaries are one chunk's, not
+    (N, V). When the logits are a tensor of their own that autograd made (sequence_logps' torch.cat of
+    the prompt's and the completions' logits, which nothing else reads in backward), the gradient is
+    written over them, so it costs no new (N, V) tensor either."""
 
     @staticmethod
     def forward(ctx, logits, token_ids, temperature, chunk_rows):

@@ -2,9 +2,9 @@
 
     python tools/demo.py [--seed 1] [--steps 650] [--trainer grpo_train] [--lora] [-- extra trainer flags]
 
-1. starts ref_server.py in the background and waits for its /health (not with --lora: the base model,
-   adapters off, is the reference);
-2. evaluates the shipped model greedily on the held-out test split;
+1. evaluates the shipped model greedily on the held-out test split;
+2. starts ref_server.py in the background on a free port and waits for its /health (not with --lora: the
+   base model, adapters off, is the reference);
 3. trains with grpo_train.py or grpo_vllm_one.py (--trainer) into runs/NAME, replacing an earlier
    demo run of that name (the trainer's --overwrite);
 4. evaluates the final checkpoint the same way (the trainer has written runs/NAME/report.html);

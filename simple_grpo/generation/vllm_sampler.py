@@ -34,7 +34,7 @@ def start_vllm(cfg, compile=False, block_size=None, max_seqs=None):
 
     The G completions of a prompt share its KV cache through vLLM's prefix caching, one whole
     block at a time. On a CPU vLLM's blocks are 128 tokens unless set, and a prompt shorter than
-    that (the tiny task's are 112-138 tokens) would run G times over; blocks of CPU_BLOCK_SIZE
+    that (the tiny task's are about 110-150 tokens) would run G times over; blocks of CPU_BLOCK_SIZE
     share all of it but its last few tokens (bench/sampling.py measures both). block_size: None is CPU_BLOCK_SIZE on
     a CPU and vLLM's own default on a GPU (16).
 
