@@ -7,10 +7,12 @@ wrapping. Two things follow for GRPO:
   loaded, so the KL term needs no second copy of the weights and no reference server
   (trainer/update.py's reference_logps);
 - gradients, Adam's moments and fp32 master weights exist only for A and B (the memory plan counts them).
-vLLM samples with the adapters merged into the weights it already holds (generation/weight_sync.py).
+vLLM samples with the adapters merged into the weights it already holds: the weight sync makes each merged
+weight as it copies it (merged_weights; generation/weight_sync.py), so one merged copy exists at a time.
 A checkpoint's step_N/ holds the adapters in PEFT's format; evaluate.py and tools/merge_lora.py make
 a whole model of them.
 """
+import contextlib
 import json
 import os
 
@@ -44,21 +46,64 @@ def lora_dropout(cfg):
     return 0.05 if cfg.lora_dropout is None else cfg.lora_dropout
 
 
-def merged_weights(module):
-    """The policy's weights under the names a plain HF model has: the module's state dict, or for a LoRA
-    model (PEFT) the base's with each adapted weight merged, W + (lora_alpha / lora_r) * B @ A. vLLM samples
-    from these with no adapter support of its own; the adapters themselves stay behind."""
-    if not hasattr(module, "peft_config"):
-        return module.state_dict()
+def weight_groups(module):
+    """The policy's weights in the groups the weight sync takes one at a time: [(parameters, weights)], weights a
+    list of (name, tensor, lora_layer). A group is a LoRA layer (its base weights, with its adapters among the
+    parameters) or any other submodule's own tensors; name is what a plain HF model calls the tensor, tensor is the
+    module's own (not a copy; under ZeRO-3 a shard until gathered), lora_layer the PEFT layer whose adapters merge
+    into it, else None. The adapters themselves are in no group's weights: vLLM gets them merged."""
     from peft.tuners.lora import LoraLayer
-    weights = {key.removeprefix("base_model.model.").replace(".base_layer.", "."): t
-               for key, t in module.state_dict().items() if ".lora_" not in key}
-    for name, layer in module.named_modules():
-        if isinstance(layer, LoraLayer):
-            key = name.removeprefix("base_model.model.") + ".weight"
-            delta = sum(layer.get_delta_weight(adapter) for adapter in layer.active_adapters)
-            weights[key] = weights[key] + delta.to(weights[key].dtype)
-    return weights
+    is_peft = hasattr(module, "peft_config")
+    groups = {}  # the group's module name: (parameters, weights)
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        owner = key.rpartition(".")[0]  # the submodule that holds it
+        for part in (".base_layer.", ".lora_"):  # PEFT: q_proj.base_layer.weight, q_proj.lora_A.default.weight
+            if is_peft and part in key:
+                owner = key.split(part)[0]  # the LoRA layer, q_proj
+                break
+        parameters, weights = groups.setdefault(owner, ([], []))
+        if isinstance(tensor, torch.nn.Parameter):
+            parameters.append(tensor)
+        if is_peft and ".lora_" in key:
+            continue  # an adapter: merged into its layer's weight, not sent
+        layer = module.get_submodule(owner)
+        merges = isinstance(layer, LoraLayer) and key.endswith(".base_layer.weight")
+        name = key.removeprefix("base_model.model.").replace(".base_layer.", ".") if is_peft else key
+        weights.append((name, tensor, layer if merges else None))
+    return list(groups.values())
+
+
+def merged(lora_layer, weight):
+    """W + (lora_alpha / lora_r) * B @ A for each of the layer's active adapters: a new tensor (PEFT's
+    get_delta_weight makes the scaled B @ A, freed once it is added)."""
+    for adapter in lora_layer.active_adapters:
+        weight = weight + lora_layer.get_delta_weight(adapter).to(weight.dtype)
+    return weight
+
+
+def merged_weights(module, gather=contextlib.nullcontext):
+    """The policy's weights, one (name, tensor) at a time, under the names a plain HF model has: the module's own
+    tensors (no copy), and for a LoRA model (PEFT) each adapted weight merged, W + (lora_alpha / lora_r) * B @ A,
+    made only when it is asked for: a caller that copies each one and lets it go holds one merged weight at a time.
+    vLLM samples from these with no adapter support of its own. gather(parameters) holds each group's parameters
+    whole while its weights are taken (ZeRO-3: deepspeed.zero.GatheredParameters, one group at a time)."""
+    for parameters, weights in weight_groups(module):
+        with gather(parameters):
+            for name, tensor, lora_layer in weights:
+                yield name, (tensor.detach() if lora_layer is None else merged(lora_layer, tensor.detach()))
+
+
+def merged_shapes(module):
+    """What merged_weights(module) yields, known before anything is merged or gathered: {name: (dtype, shape,
+    first)}, first the name the same tensor came under first (tied weights: lm_head.weight is
+    model.embed_tokens.weight), else the name itself. A merged weight has its base weight's dtype and shape and is
+    a tensor of its own; under ZeRO-3 a parameter's whole shape is its ds_shape (it holds a shard)."""
+    shapes, first = {}, {}  # first: id of a tensor -> the name it came under first
+    for _, weights in weight_groups(module):
+        for name, tensor, lora_layer in weights:
+            came_first = name if lora_layer is not None else first.setdefault(id(tensor), name)
+            shapes[name] = (tensor.dtype, tuple(getattr(tensor, "ds_shape", tensor.shape)), came_first)
+    return shapes
 
 
 def is_adapter_dir(path):

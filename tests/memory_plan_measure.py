@@ -2,7 +2,8 @@
 for tests/test_memory_plan.py: a random model with a few small layers (and Qwen2.5's vocabulary of 151,936 ids, or
 a small one), a real DeepSpeed engine (make_engine), one warm-up step, then the peak bytes above each phase's start
 of the LoRA reference pass (reference_logps), the update (grpo_update: log-probs, loss, backward) and the weight
-sync's merge (lora.merged_weights, as WeightSender.send holds it), from torch's profiler (every CPU allocation).
+sync (WeightSender.send, its second call: the first allocates the shared buffers, the host's), from torch's profiler
+(every CPU allocation); and the most bytes of merged weights (lora.merged_weights) alive when send() copies one.
 
 Left out of the update's peak: what the optimizer's step allocates (the plan's gradient and optimizer rows count
 it), ZeRO-2's gradient bucket (reported apart: a row of the plan's margin), and two things only a CPU makes:
@@ -23,17 +24,22 @@ it), ZeRO-2's gradient bucket (reported apart: a row of the plan's margin), and 
                                                    "flags": ["--use_peft", ...]}, ...}'
 
 builds each run's model in its DIR once (Qwen2Config's keys in "shape"; bf16) and prints one JSON line per run:
-{"name", "reference", "update", "bucket", "workspace", "merge", "merge_held"}, bytes.
+{"name", "reference", "update", "bucket", "workspace", "merge" (the sync's peak), "merge_held"}, bytes.
 """
 import json
 import os
+import queue
 import sys
+import types
+import weakref
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from grpo_math import completion_mask  # noqa: E402
 from grpo_vllm_one import Config  # noqa: E402
 from simple_grpo.flags import parse_flags  # noqa: E402
+from simple_grpo.generation import weight_sync  # noqa: E402
 from simple_grpo.lora import merged_weights  # noqa: E402
 from simple_grpo.trainer.config import check_options  # noqa: E402
 from simple_grpo.trainer.deepspeed_engine import make_engine  # noqa: E402
@@ -111,6 +117,22 @@ def named_optimizer_step(engine, loss, step=update.optimizer_step):
         return step(engine, loss)
 
 
+def watch_merged_weights(module, held):
+    """While send() runs, weight_sync.merged_weights is this: the same weights, and after each it yields, `held`
+    gets the bytes of the merged weights (tensors not the module's own) still alive then."""
+    own = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    alive = []  # a weak reference to each merged weight made so far: dead once nothing holds it
+
+    def watched(module, gather):
+        for name, weight in merged_weights(module, gather):
+            if weight.untyped_storage().data_ptr() not in own:
+                alive.append(weakref.ref(weight))
+            held.append(sum(t.untyped_storage().nbytes() for t in (ref() for ref in alive) if t is not None))
+            yield name, weight
+            del weight  # as send() does: the watcher must not keep it either
+    weight_sync.merged_weights = watched
+
+
 def measure(spec):
     Q, G, P, C, flags = spec["Q"], spec["G"], spec["P"], spec["C"], spec["flags"]
     cfg = parse_flags(Config, "", ["--model", spec["model"], "--dtype", "bfloat16", "--zero_stage", "2",
@@ -124,9 +146,10 @@ def measure(spec):
     batch = {"prompt_ids": torch.randint(3, V, (Q, P), generator=g), "prompt_mask": torch.ones(Q, P, dtype=torch.long),
              "completion_ids": torch.randint(3, V, (Q * G, C), generator=g),
              "advantages": torch.randn(Q * G, generator=g), "sampler_logps": -torch.rand(Q * G, C, generator=g)}
+    batch["loss_mask"] = completion_mask(batch["completion_ids"], [0])  # no id 0 in them: every token counts
     reference = (lambda: reference_logps(engine, batch, cfg)) if cfg.use_peft else (lambda: -torch.rand(Q * G, C))
     batch["ref_logps"] = reference()
-    grpo_update(engine, batch, cfg, [0])  # the first step makes the optimizer's state: what the plan's states count
+    grpo_update(engine, batch, cfg)  # the first step makes the optimizer's state: what the plan's states count
 
     def cpu_only(size, above, in_product):  # a product's workspace, or the lm_head's weight expanded over the
         # batch, made contiguous by CPU bmm
@@ -138,19 +161,20 @@ def measure(spec):
     _, events = allocations(reference)
     ref_peak, _ = peak(events, cpu_only)
     _, ref_workspace = peak(events, workspace)
-    _, events = allocations(lambda: grpo_update(engine, batch, cfg, [0]))
+    _, events = allocations(lambda: grpo_update(engine, batch, cfg))
     update_peak, _ = peak(events, lambda *a: cpu_only(*a) or bucket(*a) or "optimizer_step" in a[1])
     _, bucket_bytes = peak(events, bucket)
     _, update_workspace = peak(events, lambda *a: workspace(*a) and "optimizer_step" not in a[1])
-    parameters = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
-    with torch.no_grad():
-        weights, events = allocations(lambda: merged_weights(engine.module))
-    held = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in weights.values()
-                                                      if t.untyped_storage().data_ptr() not in parameters}.values())
+    sender = weight_sync.WeightSender([queue.SimpleQueue()], [types.SimpleNamespace(value=0)])  # a worker, in name
+    sender.send(engine.module, version=1)  # the first sync allocates the shared buffers
+    held = []
+    watch_merged_weights(engine.module, held)
+    _, events = allocations(lambda: sender.send(engine.module, version=2))
+    weight_sync.merged_weights = merged_weights
     merge_peak, merge_workspace = peak(events)
     return {"reference": ref_peak if cfg.use_peft else 0, "update": update_peak, "bucket": bucket_bytes,
             "workspace": max(ref_workspace if cfg.use_peft else 0, update_workspace, merge_workspace),
-            "merge": merge_peak, "merge_held": held}
+            "merge": merge_peak, "merge_held": max(held)}
 
 
 if __name__ == "__main__":

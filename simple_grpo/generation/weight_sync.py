@@ -3,6 +3,8 @@
 The trainer copies its weights into one of two flat buffers in shared memory that every process
 maps (WeightSender.send: a copy per tensor, nothing pickled) and sends (version, buffer index) on each
 worker's queue; each worker loads them into its running vLLM engine in place (receive_weights).
+The weights go one at a time: with LoRA each merged weight is made just before its copy and freed after
+it, and under ZeRO-3 one module's parameters are gathered whole at a time (lora.merged_weights).
 A buffer is refilled only after every worker has loaded the version it held (or passed it over:
 with several workers, each loads just the versions it samples with).
 """
@@ -13,19 +15,20 @@ import time
 import torch
 
 from simple_grpo.devices import check_shared_memory
-from simple_grpo.lora import merged_weights
+from simple_grpo.lora import merged_shapes, merged_weights, weight_groups
 
 
-def weight_layout(state_dict):
-    """Where each tensor sits in one flat byte buffer: {name: (offset, dtype, shape)}, and the
-    buffer's size. Tied tensors (embeddings = lm_head) share one place."""
-    layout, places, size = {}, {}, 0
-    for name, t in state_dict.items():
-        key = (t.data_ptr(), t.dtype, tuple(t.shape))
-        if key not in places:
-            places[key] = size
-            size += -(-t.numel() * t.element_size() // 64) * 64  # keep every tensor 64-byte aligned
-        layout[name] = (places[key], t.dtype, tuple(t.shape))
+def weight_layout(shapes):
+    """Where each weight sits in one flat byte buffer: {name: (offset, dtype, shape)}, and the buffer's size.
+    shapes: {name: (dtype, shape, first)} (lora.merged_shapes); a weight whose tensor came first under another
+    name (tied: lm_head = embeddings) shares that one's place."""
+    layout, size = {}, 0
+    for name, (dtype, shape, first) in shapes.items():
+        if first != name:
+            layout[name] = layout[first]
+            continue
+        layout[name] = (size, dtype, shape)
+        size += -(-math.prod(shape) * dtype.itemsize // 64) * 64  # keep every tensor 64-byte aligned
     return layout, size
 
 
@@ -50,28 +53,29 @@ class WeightSender:
         self.buffers, self.held, self.layout, self.syncs = None, [-1, -1], None, 0
 
     def send(self, module, version, zero_stage=0, check_alive=lambda: None, timeout=600.0):
-        gather = contextlib.nullcontext()
-        if zero_stage == 3:  # ZeRO-3 keeps each parameter in shards: gather them whole first
+        if self.buffers is None:  # first sync: allocate, and hand the workers the buffers once
+            self.layout, size = weight_layout(merged_shapes(module))  # from the shapes: nothing merged yet
+            check_shared_memory(2 * size)
+            self.buffers = [torch.empty(size, dtype=torch.uint8).share_memory_() for _ in range(2)]
+            for q in self.queues:
+                q.put(("buffers", self.buffers, self.layout))
+        i, self.syncs = self.syncs % 2, self.syncs + 1
+        deadline = time.time() + timeout
+        while (slowest := min(loaded.value for loaded in self.loaded)) < self.held[i]:  # still needed
+            check_alive()
+            if time.time() > deadline:
+                raise SystemExit(f"a generation worker has not loaded weights version {self.held[i]} in "
+                                 f"{timeout:.0f} s (--data_timeout; it has {slowest}): see its log above")
+            time.sleep(0.001)
+        gather = contextlib.nullcontext
+        if zero_stage == 3:  # ZeRO-3 keeps each parameter in shards: gather one module's whole while it is copied
             import deepspeed
-            gather = deepspeed.zero.GatheredParameters(list(module.parameters()))
-        with gather, torch.no_grad():
-            state_dict = merged_weights(module)  # with LoRA: base + adapters, merged
-            if self.buffers is None:  # first sync: allocate, and hand the workers the buffers once
-                self.layout, size = weight_layout(state_dict)
-                check_shared_memory(2 * size)
-                self.buffers = [torch.empty(size, dtype=torch.uint8).share_memory_() for _ in range(2)]
-                for q in self.queues:
-                    q.put(("buffers", self.buffers, self.layout))
-            i, self.syncs = self.syncs % 2, self.syncs + 1
-            deadline = time.time() + timeout
-            while (slowest := min(loaded.value for loaded in self.loaded)) < self.held[i]:  # still needed
-                check_alive()
-                if time.time() > deadline:
-                    raise SystemExit(f"a generation worker has not loaded weights version {self.held[i]} in "
-                                     f"{timeout:.0f} s (--data_timeout; it has {slowest}): see its log above")
-                time.sleep(0.001)
-            for name, view in tensors_in(self.buffers[i], self.layout).items():
-                view.copy_(state_dict[name])
+            gather = deepspeed.zero.GatheredParameters
+        views = tensors_in(self.buffers[i], self.layout)
+        with torch.no_grad():
+            for name, weight in merged_weights(module, gather):  # with LoRA: base + adapters, merged
+                views[name].copy_(weight)
+                del weight  # let this merged copy go before the next one is made
         self.held[i] = version
         for q in self.queues:
             q.put(("weights", version, i))
@@ -90,14 +94,16 @@ def receive_weights(llm, message, shared, loaded):
 
 
 def sync_weights(sender, engine, version, zero_stage, check_alive, timeout):
-    """Every rank calls it: under ZeRO-3 every rank takes part in gathering the weights whole;
-    each rank that runs workers (sender not None) sends them to its workers."""
+    """Every rank calls it: under ZeRO-3 every rank takes part in gathering the weights whole, one module
+    at a time in the sender's order (lora.weight_groups); each rank that runs workers (sender not None)
+    sends them to its workers."""
     if sender is not None:
         sender.send(engine.module, version, zero_stage, check_alive, timeout)
     elif zero_stage == 3:
         import deepspeed
-        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-            pass
+        for parameters, _ in weight_groups(engine.module):  # the gathers merged_weights makes, in its order
+            with deepspeed.zero.GatheredParameters(parameters):
+                pass
 
 
 def load_weights(llm, state_dict):

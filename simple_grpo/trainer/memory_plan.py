@@ -38,13 +38,13 @@ machine's GPUs or --plan_gpus N of them), its --gen_memory share of that GPU is 
 and so is its process's CUDA context, which vLLM makes before it measures the GPU for that share
 (VLLM_CONTEXT). grpo_train.py has no vLLM: its plan has no generation GPU.
 
-The training GPU's transient rows come at different times of a step, so the plan counts the larger of
-the two: the update's activations (the log-prob pass and its backward), and the weight sync's, which
-with LoRA merges every adapted weight into a new tensor and holds them all at once until they are
-copied to the host (generation/weight_sync.py, lora.merged_weights), and under ZeRO-3 gathers every
-parameter whole (a checkpoint's save does too). At 7B with all-linear LoRA the sync's 13.3 GB is the
-larger (the update's 7.4); the plan before counted neither it nor the third copy of the logits, and was
-13% short of what an H100 run held (docs/gpu_notes.md, "The 7B LoRA run against the plan").
+The training GPU's transient rows come at different times of a step, so the plan counts the largest of
+them: the update's activations (the log-prob pass and its backward); the weight sync's, which goes one
+weight at a time (generation/weight_sync.py, lora.merged_weights): with LoRA one merged weight and the
+delta it is made from, under ZeRO-3 one module's parameters gathered whole; and under ZeRO-3 a
+checkpoint's save, which gathers every parameter whole at once. At 7B with all-linear LoRA the update's
+7.4 GB is the largest (the sync's 0.3). The sync used to merge every adapted weight before copying any
+(13.3 GB there, the step's peak on an H100: docs/gpu_notes.md, "The 7B LoRA run against the plan").
 """
 import functools
 import json
@@ -125,11 +125,11 @@ def lora_parameters(cfg, m):
 
 
 def lora_merge_bytes(cfg, m, d):
-    """What the weight sync holds on the GPU with LoRA: lora.merged_weights makes W + scale * B @ A a new d-byte
-    tensor for every adapted weight and keeps them all until WeightSender.send has copied them to the host, and
-    PEFT's get_delta_weight makes B @ A and its scaled copy (d bytes each) for one weight at a time."""
-    adapted = adapted_linears(cfg, m)
-    return d * sum(i * o for i, o in adapted) + 2 * d * max((i * o for i, o in adapted), default=0)
+    """What the weight sync holds on the GPU with LoRA: lora.merged_weights makes one merged weight at a time, and
+    WeightSender.send copies it to the host and lets it go before the next is made. For the largest adapted weight:
+    PEFT's get_delta_weight makes B @ A and its scaled copy (d bytes each), then W + that delta is a new d-byte
+    tensor beside it; two at once either way."""
+    return 2 * d * max((i * o for i, o in adapted_linears(cfg, m)), default=0)
 
 
 def model_states(P, L, d, stage, offload, N):
@@ -241,11 +241,13 @@ def plan_memory(cfg, world_size=1, gpu_gb=None):
         trainer["weights"] += d * P / N + d * L if stage == 3 else d * P
     seqs = min(per_part or prompts, prompts) * G  # sequences in one forward/backward
     trainer["activations"] = update_activations(cfg, m, d, seqs, seq_len)
-    # the weight sync (and under ZeRO-3 a checkpoint's save), after the update: ZeRO-3 gathers every parameter
-    # whole at once (deepspeed.zero.GatheredParameters over all of them); LoRA's merged weights (lora_merge_bytes)
-    trainer["weight_sync"] = (d * P if stage == 3 else 0) \
-        + (lora_merge_bytes(cfg, m, d) if cfg.use_peft and uses_vllm else 0)
-    transient = max(trainer["activations"], trainer["weight_sync"])  # not at once: the larger counts
+    # the weight sync, after the update, one module at a time: ZeRO-3 gathers the largest module's parameters
+    # whole (a LoRA layer's adapters beside them, r * (in + out), are in the margin); LoRA merges one weight
+    trainer["weight_sync"] = ((d * L if stage == 3 else 0) + (lora_merge_bytes(cfg, m, d) if cfg.use_peft else 0)) \
+        if uses_vllm else 0
+    trainer["checkpoint"] = d * P if stage == 3 else 0  # a save under ZeRO-3 gathers every parameter at once
+    # these come one after another, not at once: the largest counts
+    transient = max(trainer["activations"], trainer["weight_sync"], trainer["checkpoint"])
     # ZeRO-1/2 take a bucket of reduce_bucket_size elements for every backward whatever trains (setup_buckets)
     bucket = d * (min(BUCKET_ELEMENTS, A) if stage == 0 or (cfg.use_peft and stage == 3) else BUCKET_ELEMENTS)
     step_copy = d * A / N if stage and not offload else 0  # what step() holds beyond the estimators (docstring)
@@ -330,10 +332,13 @@ def format_plan(plan):
              f"  {plan['sequences_per_pass']} sequences per forward/backward of up to {plan['seq_len']} tokens "
              f"({plan['max_new_tokens']} new)",
              f"{'training GPU (' + format(plan['gpu_gb'], '.0f') + ' GB), per rank':<36}{'GB':>8}"]
-    names = {"weight_sync": "weight sync", "vllm_share": "vLLM (shared GPU)", "vllm_context": "vLLM's CUDA context"}
-    rows = ("weights", "gradients", "optimizer", "activations") + (("weight_sync",) if t["weight_sync"] else ()) \
+    names = {"weight_sync": "weight sync", "checkpoint": "checkpoint save", "vllm_share": "vLLM (shared GPU)",
+             "vllm_context": "vLLM's CUDA context"}
+    rows = ("weights", "gradients", "optimizer", "activations") \
+        + tuple(row for row in ("weight_sync", "checkpoint") if t[row]) \
         + ("margin",) + (("vllm_share", "vllm_context") if plan["shared_gpu"] else ()) + ("total",)
-    notes = {"weight_sync": "   after the update, not beside its activations: the total counts the larger"}
+    after = "   after the update, not beside its activations: the total counts the largest"
+    notes = {"weight_sync": after, "checkpoint": after}
     lines += [f"  {names.get(name, name):<34}{t[name] / GB:>8.1f}{notes.get(name, '')}" for name in rows]
     lines += [f"{'generation GPU (vLLM), per tp rank':<36}{'GB':>8}   {plan['layout']}",
               f"  {'takes (gen_memory ' + str(plan['gen_memory']) + ')':<34}{g['takes'] / GB:>8.1f}",
