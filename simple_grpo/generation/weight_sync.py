@@ -42,8 +42,8 @@ class WeightSender:
     """The trainer's end of the weight sync, all in memory, to one or several workers.
 
     The weights are copied into a flat buffer in shared memory that every worker maps, and
-    only (version, buffer index) goes through each worker's queue: one memcpy per sync however
-    many workers read it, no pickling of tensors, no allocation after the first. Two buffers are
+    only (version, buffer index) goes through each worker's queue: one copy of each tensor per sync
+    however many workers read it, no pickling of tensors, no allocation after the first. Two buffers are
     used in turn, and one is refilled only after every worker has loaded the version it held, or
     passed it over for a newer one (`loaded`: a shared integer per worker), so no worker reads
     weights being overwritten."""
