@@ -143,4 +143,4 @@ def test_a_deepspeed_files_optimizer_numbers_become_the_flags_the_run_records(tm
         (0.8, 0.95, 1e-6, 0.1, 0.5)
     out = capsys.readouterr().out.splitlines()
     for name, value in (("adam_beta2", "0.95"), ("adam_epsilon", "1e-06"), ("max_grad_norm", "0.5")):
-        assert f"  {name} {value}: from --deepspeed {path}" in out
+        assert f"  * {name} {value}: from --deepspeed {path}" in out
