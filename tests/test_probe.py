@@ -43,8 +43,18 @@ def check_consistent(result, n, G, max_new_tokens):
     assert result["verdict"].strip()
 
 
-def test_the_json_line_on_the_tiny_world_holds_consistent_figures():
-    rc, output, result = run_probe("--n", "16", "--num_generations", "4")
+@pytest.fixture(scope="module")
+def tiny_probe(tmp_path_factory):
+    """One probe of the tiny world (16 prompts x 4) that also logs two groups' completions as step 7: the
+    exit status, output, JSON line and the completions file (one vLLM start for the two tests below)."""
+    path = tmp_path_factory.mktemp("probe") / "completions.jsonl"
+    rc, output, result = run_probe("--n", "16", "--num_generations", "4", "--log_completions", str(path),
+                                   "--log_groups", "2", "--log_step", "7")
+    return rc, output, result, path
+
+
+def test_the_json_line_on_the_tiny_world_holds_consistent_figures(tiny_probe):
+    rc, output, result, _ = tiny_probe
     assert rc == 0, output[-3000:]
     check_consistent(result, 16, 4, 48)
     assert "correct" in output and "reward std" in output  # the histogram table came first
@@ -62,10 +72,8 @@ def test_a_reward_never_earned_gives_no_signal(tmp_path):
     assert "no signal" in result["verdict"] and "0 of 16 prompts earned any reward" in result["verdict"]
 
 
-def test_logged_completions_follow_the_viewers_format(tmp_path):
-    path = tmp_path / "completions.jsonl"
-    rc, output, result = run_probe("--n", "8", "--num_generations", "4", "--log_completions", str(path),
-                                   "--log_groups", "2", "--log_step", "7")
+def test_logged_completions_follow_the_viewers_format(tiny_probe):
+    rc, output, result, path = tiny_probe
     assert rc == 0, output[-3000:]
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == 8 and {r["step"] for r in rows} == {7}
