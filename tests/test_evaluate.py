@@ -22,8 +22,25 @@ def run_evaluate(*args):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_greedy_accuracy_of_the_shipped_model_is_in_the_window():
-    result = run_evaluate()
+@pytest.fixture(scope="module")
+def greedy(tmp_path_factory):
+    """The shipped model's greedy evaluation on the 500 test problems (vLLM), with --details: its JSON line and
+    the details file (one vLLM start for the tests that read them)."""
+    path = tmp_path_factory.mktemp("greedy") / "details.jsonl"
+    return run_evaluate("--details", str(path)), path
+
+
+@pytest.fixture(scope="module")
+def hf_run():
+    """evaluate.py --backend hf --n 64 with the default model, data set and device: its stdout and JSON line."""
+    out = subprocess.run([sys.executable, "evaluate.py", "--backend", "hf", "--n", "64", "--json"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout, json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_greedy_accuracy_of_the_shipped_model_is_in_the_window(greedy):
+    result, _ = greedy
     assert result["n"] == 500
     assert 0.15 <= result["accuracy"] <= 0.45, result
 
@@ -35,17 +52,16 @@ def test_sampled_format_rate_of_the_shipped_model_is_in_the_window():
     assert result["pass_at_k"] >= result["accuracy"]
 
 
-def test_transformers_backend_gives_the_same_kind_of_report():
-    result = run_evaluate("--backend", "hf", "--n", "64")
+def test_transformers_backend_gives_the_same_kind_of_report(hf_run):
+    stdout, result = hf_run
+    assert "accuracy" in stdout and "format_rate" in stdout  # the table
     assert result["n"] == 64 and 0.0 <= result["accuracy"] <= 1.0
 
 
-def test_the_report_names_the_device_the_default_picked_here():
+def test_the_report_names_the_device_the_default_picked_here(hf_run):
     """--device auto: the first visible GPU where torch sees one (tests/test_gpu.py), the CPU on this machine."""
-    out = subprocess.run([sys.executable, "evaluate.py", "--backend", "hf", "--n", "4"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "models/tiny-math on data/toy_math/test.jsonl (greedy, hf, float32, cpu)" in out.stdout
+    stdout, _ = hf_run
+    assert "models/tiny-math on data/toy_math/test.jsonl (greedy, hf, float32, cpu)" in stdout
 
 
 def test_greedy_with_several_samples_is_refused():
@@ -54,12 +70,11 @@ def test_greedy_with_several_samples_is_refused():
     assert out.returncode != 0 and "--temperature" in out.stderr
 
 
-def test_details_hold_each_problem_and_pair_into_a_gain(tmp_path):
-    path = tmp_path / "details.jsonl"
-    result = run_evaluate("--n", "40", "--details", str(path))
+def test_details_hold_each_problem_and_pair_into_a_gain(greedy):
+    result, path = greedy
     rows = read_details(path)
-    assert len(rows) == 40 and rows[0]["answer"] and len(rows[0]["completions"]) == 1
-    assert sum(r["scores"][0]["correctness"] for r in rows) / 40 == result["accuracy"]
+    assert len(rows) == 500 and rows[0]["answer"] and len(rows[0]["completions"]) == 1
+    assert sum(r["scores"][0]["correctness"] for r in rows) / 500 == result["accuracy"]
     same = paired_gain(rows, rows)  # a model against itself gains nothing, with no spread
     assert same["gain"] == 0 and same["ci95"] == [0, 0] and same["won"] == same["lost"] == 0
 
@@ -274,6 +289,6 @@ def test_the_before_after_table_has_a_strict_column_only_where_the_report_has_it
     assert json.loads(lines[-1])["before"]["accuracy_strict"] == 0.25
 
 
-def test_the_json_line_carries_the_strict_accuracy():
-    result = run_evaluate("--backend", "hf", "--n", "8")
+def test_the_json_line_carries_the_strict_accuracy(hf_run):
+    _, result = hf_run
     assert 0.0 <= result["accuracy_strict"] <= result["accuracy"], result
