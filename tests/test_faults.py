@@ -44,7 +44,8 @@ def wait_for(condition, timeout, proc=None, poll=0.05):
 def test_the_trainer_stops_naming_a_ref_server_that_died():
     port = free_port()
     ref = start_ref_server(port, dict(os.environ))
-    trainer = subprocess.Popen(TRAIN + ["--ref_url", f"http://127.0.0.1:{port}", "--steps", "100", "--peer_timeout", "20",
+    # --peer_timeout 8: above the ref server's 2 s long poll (/get), and the retries after the kill are this test's wait
+    trainer = subprocess.Popen(TRAIN + ["--ref_url", f"http://127.0.0.1:{port}", "--steps", "100", "--peer_timeout", "8",
                                         "--run_name", fresh("test_ref_dies")], cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     try:
@@ -129,37 +130,42 @@ from simple_grpo.trainer.deepspeed_engine import make_engine
 from grpo_train import Config
 from simple_grpo.trainer.update import grpo_update
 from grpo_math import completion_mask
-cfg = Config(zero_stage=int(sys.argv[1]), threads=1, lr=1e-6)
-engine, tok = make_engine(cfg)
-g = torch.Generator().manual_seed(0)
-batch = {"prompt_ids": torch.randint(3, 500, (2, 6), generator=g), "prompt_mask": torch.ones(2, 6, dtype=torch.long),
-         "completion_ids": torch.randint(3, 500, (8, 5), generator=g), "advantages": torch.randn(8, generator=g),
-         "ref_logps": -torch.rand(8, 5, generator=g)}
-batch["loss_mask"] = completion_mask(batch["completion_ids"], tok.eos_token_id)
-weights = lambda: torch.cat([p.detach().flatten().clone() for p in engine.module.parameters()])
-out, before = {}, weights()
-bad = dict(batch, ref_logps=batch["ref_logps"].clone())
-bad["ref_logps"][0, 0] = float("inf")                    # the loss is not finite
-out["loss"] = grpo_update(engine, bad, cfg)[0]["skipped_updates"]
-out["loss_unchanged"] = bool(torch.equal(weights(), before))
-param = next(engine.module.parameters())
-hook = param.register_hook(lambda grad: grad * float("nan"))  # the loss is finite, a gradient is not
-out["grad"] = grpo_update(engine, batch, cfg)[0]["skipped_updates"]
-out["grad_unchanged"] = bool(torch.equal(weights(), before))
-hook.remove()
-out["clean"] = grpo_update(engine, batch, cfg)[0]["skipped_updates"]
-after = weights()
-out["clean_changed"] = bool(not torch.equal(after, before)) and bool(torch.isfinite(after).all())
-print(json.dumps(out))
+results = {}
+for stage in sys.argv[1:]:  # one engine per ZeRO stage, in turn in this process
+    cfg = Config(zero_stage=int(stage), threads=1, lr=1e-6)
+    engine, tok = make_engine(cfg)
+    g = torch.Generator().manual_seed(0)
+    batch = {"prompt_ids": torch.randint(3, 500, (2, 6), generator=g),
+             "prompt_mask": torch.ones(2, 6, dtype=torch.long),
+             "completion_ids": torch.randint(3, 500, (8, 5), generator=g), "advantages": torch.randn(8, generator=g),
+             "ref_logps": -torch.rand(8, 5, generator=g)}
+    batch["loss_mask"] = completion_mask(batch["completion_ids"], tok.eos_token_id)
+    weights = lambda: torch.cat([p.detach().flatten().clone() for p in engine.module.parameters()])
+    out, before = {}, weights()
+    bad = dict(batch, ref_logps=batch["ref_logps"].clone())
+    bad["ref_logps"][0, 0] = float("inf")                    # the loss is not finite
+    out["loss"] = grpo_update(engine, bad, cfg)[0]["skipped_updates"]
+    out["loss_unchanged"] = bool(torch.equal(weights(), before))
+    param = next(engine.module.parameters())
+    hook = param.register_hook(lambda grad: grad * float("nan"))  # the loss is finite, a gradient is not
+    out["grad"] = grpo_update(engine, batch, cfg)[0]["skipped_updates"]
+    out["grad_unchanged"] = bool(torch.equal(weights(), before))
+    hook.remove()
+    out["clean"] = grpo_update(engine, batch, cfg)[0]["skipped_updates"]
+    after = weights()
+    out["clean_changed"] = bool(not torch.equal(after, before)) and bool(torch.isfinite(after).all())
+    results[stage] = out
+print(json.dumps(results))
 """
 
 
 def test_a_non_finite_loss_or_gradient_skips_the_update_and_leaves_the_weights():
-    for stage in ("0", "2"):
-        out = subprocess.run([sys.executable, "-c", NONFINITE, stage], cwd=ROOT, capture_output=True, text=True,
-                             timeout=600)
-        assert out.returncode == 0, out.stderr[-3000:]
-        result = json.loads(out.stdout.strip().splitlines()[-1])
+    out = subprocess.run([sys.executable, "-c", NONFINITE, "0", "2"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert list(results) == ["0", "2"]
+    for stage, result in results.items():
         assert result == {"loss": 1, "loss_unchanged": True, "grad": 1, "grad_unchanged": True,
                           "clean": 0, "clean_changed": True}, (stage, result)
 
