@@ -60,7 +60,7 @@ def test_config_json_holds_the_flags_as_resolved(no_signal_run):
 @pytest.mark.parametrize("trainer", ["grpo_train", "grpo_vllm_one"])
 def test_a_run_logs_the_metrics_completions_and_writes_its_report(trainer):
     name = f"test_outputs_{trainer}"
-    out = run(trainer, name)
+    out = run(trainer, name, "--ref_url", "http://127.0.0.1:9")  # beta 0: no reference server, a closed port
     assert out.returncode == 0, out.stdout[-3000:]
     run_dir = os.path.join(ROOT, "runs", name)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
@@ -70,7 +70,7 @@ def test_a_run_logs_the_metrics_completions_and_writes_its_report(trainer):
     for r in rows:
         assert r["completion_len_min"] <= r["completion_len"] <= r["completion_len_max"]
         assert 0 < r["entropy"] < 12 and r["lr"] == 1e-4 and r["tokens"] > 0 and 0 <= r["truncated_frac"] <= 1
-        assert r["ratio_min"] <= r["ratio_mean"] <= r["ratio_max"]
+        assert r["ratio_min"] <= r["ratio_mean"] <= r["ratio_max"] and r["kl"] == 0.0
     logged = [json.loads(line) for line in open(os.path.join(run_dir, "completions.jsonl"))]
     assert sorted({r["step"] for r in logged}) == [2, 4] and len(logged) == 2 * 8  # one group of G=8 each time
     for r in logged:
