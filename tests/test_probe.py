@@ -61,6 +61,8 @@ def test_the_json_line_on_the_tiny_world_holds_consistent_figures(tiny_probe):
     print(json.dumps(result))
 
 
+@pytest.mark.slow  # a probe run (~17 s); test_run_outputs.py's --preflight test runs this probe with a never-earned
+# reward fast: its stop needs zero_var_frac 1, and it prints this verdict ("0 of 16 prompts earned any reward: ...")
 def test_a_reward_never_earned_gives_no_signal(tmp_path):
     reward_file = tmp_path / "never_reward.py"
     reward_file.write_text(NEVER_REWARD)
