@@ -44,7 +44,7 @@ def wait_for(condition, timeout, proc=None, poll=0.05):
 def test_the_trainer_stops_naming_a_ref_server_that_died():
     port = free_port()
     ref = start_ref_server(port, dict(os.environ))
-    # --peer_timeout 8: above the ref server's 2 s long poll (/get), and the retries after the kill are this test's wait
+    # --peer_timeout 8: above the ref server's 2 s long poll (/get); the retries after the kill are this test's wait
     trainer = subprocess.Popen(TRAIN + ["--ref_url", f"http://127.0.0.1:{port}", "--steps", "100", "--peer_timeout", "8",
                                         "--run_name", fresh("test_ref_dies")], cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)

@@ -288,7 +288,7 @@ def test_raft_trains_on_the_correct_completions_and_refuses_the_regrouping_serve
     assert trained and all(r["loss"] < 0 for r in trained)
 
 
-@pytest.mark.slow  # a whole run (~25 s); tests/test_run_outputs.py runs grpo_vllm_one with beta 0 and a closed --ref_url fast
+@pytest.mark.slow  # a whole run (~25 s); tests/test_run_outputs.py runs grpo_vllm_one, beta 0, a closed --ref_url, fast
 def test_grpo_vllm_one_with_beta_zero_needs_no_reference_server():
     out = subprocess.run([sys.executable, "grpo_vllm_one.py", "--beta", "0", "--ref_url", "http://127.0.0.1:9",
                           "--steps", "2", "--batch_prompts", "2", "--num_generations", "4", "--max_new_tokens", "16",
