@@ -39,6 +39,19 @@ def forget_destroyed_world_group():
 GPU_SUMMARY = pytest.StashKey()  # lines tests/test_gpu.py adds, printed once at the end of the session
 
 
+@pytest.fixture(scope="session")
+def shared_ref_server():
+    """One live ref server (the tiny model, on loopback) for every module whose runs need one (they import
+    tests/test_ref_server.py's `server`): started once, not once a module. Each run takes only its own run_id's
+    groups, so one run's leftovers (a killed trainer's) do not reach another."""
+    from tools.launch import free_port, start_ref_server
+    port = free_port()
+    proc = start_ref_server(port, dict(os.environ))  # the demo's own start-up: waits for /health
+    yield f"http://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
 @pytest.fixture
 def gpu_summary(request):
     """A function that adds a line to the GPU summary (`make test-gpu` prints it at the end)."""
