@@ -256,8 +256,11 @@ def main(cfg: Config):
 
             # GRPO 4. the update: grpo_math.grpo_loss on the batch, one optimizer step. The ratio's old_logps are
             # the trainer's own; vLLM's sampler_logps weight each token (--tis_cap; with 0 they are old_logps)
-            update_stats, logps = grpo_update(engine, batch, cfg, timed=cfg.time_phases,
-                                              profile=step == cfg.profile_step)
+            if cfg.time_phases or step == cfg.profile_step:  # the same update, timed by phase (run/phase_timer.py)
+                from simple_grpo.run.phase_timer import timed_update
+                update_stats, logps = timed_update(grpo_update, engine, batch, cfg, profile=step == cfg.profile_step)
+            else:
+                update_stats, logps = grpo_update(engine, batch, cfg)
             compute_s = time.time() - t0 - wait_s
 
             # GRPO 5. send the new weights (in memory): version `step` samples the batches trained at steps

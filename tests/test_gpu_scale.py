@@ -1,6 +1,6 @@
 """bench/gpu_scale.py on this CPU: the same path as on a GPU (a random-weight model, the ref server, vLLM,
 DeepSpeed, the plan), on the tiny model's shape and a small batch; its JSON object has every figure. And the two
-things it counts with: the update's phases (simple_grpo/run/phase_timer.py, in grpo_update's stats) and the
+things it counts with: the update's phases (simple_grpo/run/phase_timer.py's timed_update: grpo_update's stats and its phases) and the
 hardware FLOPs it divides by their seconds (hardware_flops, checked against torch's FLOP counter)."""
 import json
 import subprocess
@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from bench.gpu_scale import hardware_flops
 from grpo_math import completion_mask
 from grpo_train import Config
-from simple_grpo.run.phase_timer import PHASES, UpdatePhases, busy_seconds
+from simple_grpo.run.phase_timer import PHASES, UpdatePhases, busy_seconds, timed_update
 from simple_grpo.trainer.config import check_options
 from simple_grpo.trainer.deepspeed_engine import make_engine
 from simple_grpo.trainer.memory_plan import count_parameters
@@ -48,13 +48,14 @@ def test_the_updates_phases_add_up_to_its_seconds_and_recompute_is_checkpointing
 
     before = hooks()  # DeepSpeed's own
     t0 = time.perf_counter()
-    stats, _ = grpo_update(engine, batch, cfg, timed=True)  # grpo_vllm_one.py --time_phases
+    stats, _ = timed_update(grpo_update, engine, batch, cfg)  # grpo_vllm_one.py --time_phases
     seconds = time.perf_counter() - t0
     phases = {phase: stats[f"{phase}_s"] for phase in PHASES}
     assert all(phases[p] > 0 for p in ("forward", "log_softmax", "backward", "loss", "optimizer")), phases
     assert (phases["recompute"] > 0) == checkpointing, phases
     assert sum(phases.values()) == pytest.approx(seconds, rel=0.1), (phases, seconds)
-    assert hooks() == before  # the timing hooks come off with the update
+    assert hooks() == before  # the timing hooks come off with the update, and the engine's wrappers
+    assert not {"backward", "step", "set_gradient_accumulation_boundary"} & set(vars(engine))
 
 
 def test_an_update_is_untimed_by_default_no_hook_no_wait_no_phase_in_its_stats(monkeypatch):
@@ -71,7 +72,7 @@ def test_an_update_is_untimed_by_default_no_hook_no_wait_no_phase_in_its_stats(m
     stats, _ = grpo_update(engine, batch, cfg)
     assert waits == [] and added == []
     assert not any(f"{phase}_s" in stats for phase in PHASES) and stats["grad_norm"] is not None
-    stats, _ = grpo_update(engine, batch, cfg, timed=True)  # the same update, timed: both happen
+    stats, _ = timed_update(grpo_update, engine, batch, cfg)  # the same update, timed: both happen
     assert waits and added and all(f"{phase}_s" in stats for phase in PHASES)
 
 

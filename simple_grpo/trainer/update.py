@@ -1,7 +1,6 @@
-"""grpo_vllm_one.py's GRPO update: log-probs of the batch under the policy, the loss (grpo_math.grpo_loss),
-backward, one optimizer step, with what makes a step bigger (micro-batches, several ranks, several
-iterations) and faster (the shared-prompt log-prob path, simple_grpo/logprobs.py). grpo_train.py writes
-the same step out plainly and shares the pieces below: loss_options, optimizer_step, step_stats."""
+"""grpo_vllm_one.py's GRPO update: the batch's log-probs under the policy (simple_grpo/logprobs.py), the loss
+(grpo_math.grpo_loss), backward and one optimizer step, in micro-batches, on several ranks and iterations.
+grpo_train.py writes the same step out plainly and shares loss_options, optimizer_step and step_stats."""
 import math
 
 import torch
@@ -11,7 +10,6 @@ from simple_grpo.devices import max_over_ranks, sum_over_ranks
 from simple_grpo.logprobs import sequence_logps
 from simple_grpo.run.doctor import sampler_gap_details
 from simple_grpo.run.metrics import add_part_stats, stats_over_ranks
-from simple_grpo.run.phase_timer import Untimed, UpdatePhases
 
 
 def loss_options(cfg):
@@ -21,21 +19,13 @@ def loss_options(cfg):
             "max_completion_length": cfg.max_new_tokens, "impl": cfg.loss_impl}
 
 
-def grad_norm(engine):
-    """The gradients' 2-norm before clipping, where they sit whole on the parameters (ZeRO 0);
-    None under ZeRO 1-3, which partition them and keep the norm in the engine after step()."""
-    grads = [p.grad.norm() for p in engine.module.parameters() if p.grad is not None]
-    return torch.stack(grads).norm().item() if grads else None
-
-
 def optimizer_step(engine, loss):
-    """One optimizer step on the gradients backward left, unless they or the loss hold a NaN or inf: one
-    such update would reach every weight through Adam's moments, so it is dropped. ZeRO 0 leaves the
-    gradients whole on the parameters, where we check them; ZeRO 1-3 check them in step() themselves.
-    engine.step() clips the gradients' global 2-norm to --max_grad_norm, takes one AdamW step, zeroes the gradients
-    (the settings: trainer/deepspeed_config.py). Returns the gradients' norm before clipping (None under
-    ZeRO 1-3) and whether the step was taken."""
-    norm = grad_norm(engine)
+    """engine.step(): clip the gradients' global 2-norm to --max_grad_norm, one AdamW step, zero the gradients
+    (trainer/deepspeed_config.py). Dropped where the loss or the gradients hold a NaN or inf, which Adam's moments
+    would carry to every weight (ZeRO 1-3 check their partitioned gradients in step() themselves).
+    Returns the gradients' norm before clipping (ZeRO 0; None under ZeRO 1-3) and whether the step was taken."""
+    grads = [p.grad.norm() for p in engine.module.parameters() if p.grad is not None]  # ZeRO 0: whole here
+    norm = torch.stack(grads).norm().item() if grads else None
     if norm is not None and not (math.isfinite(norm) and math.isfinite(loss)):
         engine.optimizer.zero_grad(set_to_none=True)
         return norm, False
@@ -51,19 +41,18 @@ def step_stats(engine, norm, skipped, iterations):
 
 
 def micro_batches(batch, cfg):
-    """The batch's groups Q, its group size G, and the (first, end) group ranges of its forward/backward
-    passes: cfg.micro_batch_groups groups each (0: all Q in one)."""
+    """The batch's group size G and the (first, end) group ranges of its forward/backward passes:
+    cfg.micro_batch_groups groups each (0: all in one)."""
     Q = batch["prompt_ids"].size(0)
-    G, per_part = batch["completion_ids"].size(0) // Q, cfg.micro_batch_groups or Q
-    return Q, G, [(q, min(q + per_part, Q)) for q in range(0, Q, per_part)]
+    per_part = cfg.micro_batch_groups or Q
+    return batch["completion_ids"].size(0) // Q, [(q, min(q + per_part, Q)) for q in range(0, Q, per_part)]
 
 
 def reference_logps(engine, batch, cfg):
-    """With LoRA (--use_peft, simple_grpo/lora.py), the reference's per-token log-probs of the batch's
-    completions, (Q*G, C): this very model with its adapters switched off, i.e. the frozen base, in
-    evaluation mode (no dropout, as the ref server), a micro-batch at a time, no gradient. It runs on one
-    rank only (several ranks take the reference from the ref server), so the parts may be any number."""
-    _, G, parts = micro_batches(batch, cfg)
+    """With LoRA (--use_peft), the reference's per-token log-probs of the batch's completions, (Q*G, C): this
+    model with its adapters off, i.e. the frozen base, in evaluation mode (no dropout, as the ref server), a
+    micro-batch at a time, no gradient. One rank only (several ranks take the reference from the ref server)."""
+    G, parts = micro_batches(batch, cfg)
     logps = []
     engine.eval()  # grpo_update puts it back in training mode
     with engine.module.disable_adapter(), torch.no_grad():
@@ -75,88 +64,68 @@ def reference_logps(engine, batch, cfg):
     return torch.cat(logps)
 
 
-def grpo_update(engine, batch, cfg, *, timed=False, profile=False):
-    """The GRPO update on one collated batch: the loss's diagnostics, and the per-token log-probs.
-    batch["loss_mask"] (B, C) says which completion tokens the loss counts (grpo_math.completion_mask).
+def grpo_update(engine, batch, cfg):
+    """The GRPO update on one collated batch: (the stats, the last iteration's per-token log-probs (B, C)).
+    batch["loss_mask"] (B, C): the completion tokens the loss counts (grpo_math.completion_mask).
 
-    The ratio's denominator, pi_old, is the trainer's own log-probs from the first iteration (old_logps;
-    ratio 1 there). vLLM sampled the batch (batch["sampler_logps"]: its log-probs, of an older policy
-    in another precision): its numbers weight each token by capped importance sampling (cfg.tis_cap;
-    grpo_math.capped_is_weight), or, with tis_cap 0, are pi_old in old_logps' place. num_iterations > 1
-    takes several steps on the same rollouts (PPO's epochs): from the second on, the ratio moves off 1
-    and the clip bounds the update. With micro_batch_groups, forward and backward go a few groups at a
-    time and the gradients add up to the whole batch's, for one optimizer step. Returns the stats and the
-    last iteration's per-token log-probs (for the completions log). timed: also the update's seconds by phase
-    (run/phase_timer.py; on CUDA it waits for the GPU at each phase's end); profile: with them, the GPU's idle
-    seconds in the update (CUDA; torch.profiler, which slows it)."""
-    # training mode: from_pretrained leaves the model in evaluation mode, and gradient checkpointing
-    # (--gradient_checkpointing) and dropout (unless --disable_dropout) act only in training mode
+    pi_old, the ratio's base, is the trainer's own log-probs at the first iteration (ratio 1 there). Where vLLM
+    sampled the batch (batch["sampler_logps"]), its log-probs weight each token (capped importance sampling,
+    --tis_cap), or with --tis_cap 0 are pi_old. num_iterations > 1 takes several steps on the same rollouts (PPO's
+    epochs): from the second on the ratio moves off 1 and the clip bounds the update. With micro_batch_groups the
+    passes' gradients add up to the whole batch's, for one optimizer step."""
+    # checkpointing (--gradient_checkpointing) and dropout act only in training mode; from_pretrained leaves eval
     engine.train()
     batch = {k: v.to(engine.device) for k, v in batch.items()}
     loss_mask = batch["loss_mask"]  # (B, C)
-    _, G, parts = micro_batches(batch, cfg)
-    # every rank runs as many forward/backward passes as the rank with the most parts: ZeRO-2 reduces the
-    # gradients in each backward and ZeRO-3 gathers the weights in each forward and backward, and ranks
-    # that run different numbers of passes wait for each other forever. A rank with fewer groups (with
-    # --micro_batch_groups) runs its first part again with a gradient of weight 0 until it has as many.
+    G, parts = micro_batches(batch, cfg)
+    # every rank runs as many passes as the rank with the most parts: ZeRO-2/3 communicate in each pass, and ranks
+    # that run different numbers of passes wait for each other forever. A rank with fewer parts (with
+    # --micro_batch_groups) runs its first part again with a gradient of weight 0
     passes = int(max_over_ranks(len(parts)))
-    # one step, however the batch is split (grpo_math.loss_denominator): every pass divides its loss by the
-    # count of the whole batch, over every rank. DeepSpeed averages the ranks' gradients (their sum over the
-    # world size): a rank's share is world times its part of the sum, so that average is the batch's gradient
+    # every pass divides its loss by the whole batch's count, over every rank (grpo_math.loss_denominator), times
+    # the world size: DeepSpeed averages the ranks' gradients, and that average is then the batch's gradient
     world = engine.dp_world_size
-    # tokens: the whole batch's completion tokens, the diagnostics' weights (at least 1: --mask_truncated_completions
-    # can leave none)
     denominator, tokens = sum_over_ranks(loss_denominator(loss_mask, cfg.loss_type, cfg.max_new_tokens),
                                          loss_mask.sum())
-    denominator, tokens = denominator / world, max(tokens, 1.0)
+    denominator, tokens = denominator / world, max(tokens, 1.0)  # tokens: the stats' weights (masking can leave 0)
     sampler_logps = batch.get("sampler_logps")  # (B, C) vLLM's; None where the trainer's own policy sampled
+    tis_cap = cfg.tis_cap if sampler_logps is not None else 0.0
+    sampler_is_pi_old = sampler_logps is not None and tis_cap == 0
     old_logps, skipped, norm = None, 0, None  # old_logps (B, C): the trainer's own, set by the first iteration
-    tis_cap = cfg.tis_cap if sampler_logps is not None else 0.0  # grpo_vllm_one's --tis_cap: its vLLM sampled
-    sampler_is_pi_old = sampler_logps is not None and tis_cap == 0  # no TIS: vLLM's numbers are the ratio's base
-    with (UpdatePhases(engine, profile) if timed or profile else Untimed()) as phases:  # --time_phases: by phase
-        for _ in range(cfg.num_iterations):
-            loss, stats, new_logps, entropy = 0.0, {}, [], 0.0
-            for i, (q0, q1) in enumerate(parts + [parts[0]] * (passes - len(parts))):
-                rows = slice(q0 * G, q1 * G)
-                with phases.forward():
-                    logps, part_entropy = sequence_logps(engine, batch["prompt_ids"][q0:q1],
-                                                         batch["prompt_mask"][q0:q1], batch["completion_ids"][rows],
-                                                         cfg.temperature, impl=cfg.loss_impl,
-                                                         entropy=True)  # (b, C) each, b = (q1 - q0) * G
-                engine.set_gradient_accumulation_boundary(i == passes - 1)  # one optimizer step after the last pass
-                if i >= len(parts):  # a pass that only keeps this rank in step with the others: no gradient, no stats
-                    with phases.backward():
-                        engine.backward(logps.sum() * 0.0)
-                    continue
-                new_logps.append(logps.detach())
-                ref = batch["ref_logps"][rows] if "ref_logps" in batch else None  # (b, C); None with beta 0
-                if sampler_is_pi_old:
-                    pi_old, is_logps = sampler_logps[rows], None
-                else:  # the trainer's own (this forward's at the first iteration); vLLM's, if any, weight the tokens
-                    pi_old = logps.detach() if old_logps is None else old_logps[rows]
-                    is_logps = None if sampler_logps is None else sampler_logps[rows]
-                with phases.timed("loss"):
-                    part_loss, part_stats = grpo_loss(logps, pi_old, ref, batch["advantages"][rows], loss_mask[rows],
-                                                      sampler_logps=is_logps, tis_cap=tis_cap,
-                                                      denominator=denominator, **loss_options(cfg))
-                with phases.backward():
-                    engine.backward(part_loss)
-                loss += part_loss.item() / world  # the ranks' sum of these is the batch's loss
-                add_part_stats(stats, part_stats, loss_mask[rows].sum().item() / tokens)  # token means, by tokens
-                entropy += (part_entropy * loss_mask[rows]).sum().item()
-            old_logps = torch.cat(new_logps) if old_logps is None else old_logps  # (B, C)
-            with phases.timed("optimizer"):  # with --offload_optimizer, mostly on the host
-                norm, stepped = optimizer_step(engine, loss)
-            skipped += not stepped
+    for _ in range(cfg.num_iterations):
+        loss, stats, new_logps, entropy = 0.0, {}, [], 0.0
+        for i, (q0, q1) in enumerate(parts + [parts[0]] * (passes - len(parts))):
+            rows = slice(q0 * G, q1 * G)
+            logps, part_entropy = sequence_logps(engine, batch["prompt_ids"][q0:q1], batch["prompt_mask"][q0:q1],
+                                                 batch["completion_ids"][rows], cfg.temperature, impl=cfg.loss_impl,
+                                                 entropy=True)  # (b, C) each, b = (q1 - q0) * G
+            engine.set_gradient_accumulation_boundary(i == passes - 1)  # one optimizer step after the last pass
+            if i >= len(parts):  # a pass that only keeps this rank in step with the others
+                engine.backward(logps.sum() * 0.0)
+                continue
+            new_logps.append(logps.detach())
+            ref = batch["ref_logps"][rows] if "ref_logps" in batch else None  # (b, C); None with beta 0
+            if sampler_is_pi_old:
+                pi_old, is_logps = sampler_logps[rows], None
+            else:  # the trainer's own (this forward's at the first iteration); vLLM's, if any, weight the tokens
+                pi_old = logps.detach() if old_logps is None else old_logps[rows]
+                is_logps = None if sampler_logps is None else sampler_logps[rows]
+            part_loss, part_stats = grpo_loss(logps, pi_old, ref, batch["advantages"][rows], loss_mask[rows],
+                                              sampler_logps=is_logps, tis_cap=tis_cap, denominator=denominator,
+                                              **loss_options(cfg))
+            engine.backward(part_loss)
+            loss += part_loss.item() / world  # the ranks' sum of these is the batch's loss
+            add_part_stats(stats, part_stats, loss_mask[rows].sum().item() / tokens)  # token means, by tokens
+            entropy += (part_entropy * loss_mask[rows]).sum().item()
+        old_logps = torch.cat(new_logps) if old_logps is None else old_logps  # (B, C)
+        norm, stepped = optimizer_step(engine, loss)
+        skipped += not stepped
     # this rank's shares of the batch's loss and token means, and its counts; stats_over_ranks adds them up
     stats.update(loss=loss, entropy=entropy / tokens, tokens=int(loss_mask.sum()))
-    if sampler_logps is not None:  # where vLLM and the trainer disagree, named for the run doctor (grpo_loss has
-        # the mean and largest gap already where --tis_cap weights the tokens)
-        details = sampler_gap_details(batch["completion_ids"], loss_mask, old_logps, sampler_logps)
-        details["sampler_gap_mean"] *= loss_mask.sum().item() / tokens  # this rank's share of the token mean
-        for key, value in details.items():
-            stats.setdefault(key, value)
+    if sampler_logps is not None:  # where vLLM and the trainer disagree, over the tokens vLLM gave log-probs for
+        gaps = sampler_gap_details(batch["completion_ids"], loss_mask, old_logps, sampler_logps)
+        gaps["sampler_gap_mean"] *= loss_mask.sum().item() / tokens  # this rank's share of the token mean
+        stats.update(gaps)
     stats = stats_over_ranks(stats)  # the whole batch's, the same on every rank
-    stats.update(phases.seconds())  # timed: forward_s, log_softmax_s, recompute_s, backward_s, loss_s, optimizer_s
     stats.update(step_stats(engine, norm, skipped, cfg.num_iterations))
     return stats, torch.cat(new_logps)
