@@ -3,29 +3,14 @@
     python grpo_train.py --dtype bfloat16 --zero_stage 2 --offload_optimizer
     deepspeed grpo_vllm_one.py --deepspeed my_zero3.json      # a whole DeepSpeed config (HF/TRL style)
 
-A file's values win over the flags, except "auto", which takes the flag's value (the convention
-of transformers' and TRL's DeepSpeed integration). Where a flag was set to something other than
-its default and the file says otherwise, the run says which value it uses. It also names each change the
-file makes to the optimizer, the gradient clipping or the scheduler (none: the lr is constant) where the
-flags were left at their defaults. A file with gradient_accumulation_steps above 1 is refused:
-the trainers call engine.step() once per update and expect one optimizer step from each call, which
-DeepSpeed would then take only once every k calls (--micro_batch_groups splits an update into passes
-with one step).
-
-One engine.step() (trainer/update.py's optimizer_step calls it) clips the gradients to a global 2-norm of
---max_grad_norm (1.0), takes one AdamW step (--lr, constant: no scheduler; --adam_beta1 0.9, --adam_beta2 0.99,
---adam_epsilon 1e-8, --weight_decay 0), and zeroes the gradients: flag_config below sets each of these from
-its flag (trainer/config.py).
-
-bfloat16: DeepSpeed keeps bf16 weights, gradients and activations, and fp32 master weights and
-Adam moments. The optimizer is torch's AdamW (no C++ build); offloaded to the CPU it is torch's fused
-AdamW, run on the host's cores (deepspeed_engine.use_threads_in_step; bench/offload_optimizer.py).
+One engine.step() clips the gradients to a global 2-norm of --max_grad_norm, takes one AdamW step (torch's; --lr,
+constant, --adam_beta1, --adam_beta2, --adam_epsilon, --weight_decay) and zeroes the gradients. bfloat16: bf16
+weights, gradients and activations, fp32 master weights and Adam moments.
 """
 import json
 import os
 
 DTYPES = ("float32", "bfloat16")
-FIXED = ("optimizer", "gradient_clipping", "scheduler")  # what a file's change to is named even at the flags' defaults
 
 
 def flag_config(cfg):
@@ -71,7 +56,9 @@ def deepspeed_config(cfg, defaults=None):
 
 def file_config(cfg, defaults=None):
     """flag_config's config with the --deepspeed file's values on top (merge), and the lines that name the
-    values the file changed (deepspeed_config)."""
+    values the file changed. A file's values win over the flags, except "auto", which takes the flag's (as in
+    transformers' and TRL's DeepSpeed integration). The lines name each flag set to other than its default that
+    the file overrides, and each change to the optimizer, the clipping or the scheduler (none: the lr is constant)."""
     base = flag_config(cfg)
     if not os.path.isfile(cfg.deepspeed):
         raise SystemExit(f"--deepspeed {cfg.deepspeed}: no such file")
@@ -92,6 +79,7 @@ def file_config(cfg, defaults=None):
                          "engine.step() once per update and expect one optimizer step from each call, which DeepSpeed "
                          f"would then take only once every {steps} calls; set it to 1 or \"auto\" "
                          "(--micro_batch_groups splits an update into passes with one optimizer step)")
+    fixed = ("optimizer", "gradient_clipping", "scheduler")  # a file's change to these is named even at the defaults
     set_by_user = flag_config(defaults) if defaults is not None else base
     _, user_notes = merge(set_by_user, base)  # the values the flags changed from their defaults
     changed = {key for key, _, _ in user_notes}
@@ -99,7 +87,7 @@ def file_config(cfg, defaults=None):
              for key, old, new in notes if key in changed]
     lines += [f"--deepspeed {cfg.deepspeed}: {key} = {new!r} from the file, where the trainers set "
               f"{'none' if old is None else repr(old)} (trainer/deepspeed_config.py's flag_config)"
-              for key, old, new in notes if key.startswith(FIXED) and key not in changed | {"optimizer.params.lr"}]
+              for key, old, new in notes if key.startswith(fixed) and key not in changed | {"optimizer.params.lr"}]
     return merged, lines
 
 

@@ -11,9 +11,7 @@ from simple_grpo.trainer.deepspeed_config import deepspeed_config
 
 
 def setup_distributed():
-    """Let plain `python grpo_train.py` run as a one-process DeepSpeed job."""
-    # MASTER_PORT 0: the one rank's store takes whatever port the OS gives it when it listens (a port
-    # picked free beforehand could be taken by another process before the store binds it)
+    """Let plain `python grpo_train.py` run as a one-process DeepSpeed job (MASTER_PORT 0: any free port)."""
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "0"}.items():
         os.environ.setdefault(key, value)
@@ -24,9 +22,8 @@ def setup_distributed():
 
 
 def clear_stale_build_locks(extensions_dir, max_age_s=900.0):
-    """A build of DeepSpeed's ops that was killed (Ctrl-C, a lost machine) leaves its `lock` file behind,
-    and torch then waits for it to go away, silently and forever. A build takes about a minute here:
-    a lock older than max_age_s belongs to a build that is gone, and is removed, saying so."""
+    """Remove, saying so, a `lock` file older than max_age_s that a killed build of DeepSpeed's ops left behind:
+    torch would wait for it to go away, silently and forever."""
     for lock in glob.glob(os.path.join(extensions_dir, "*", "lock")):
         age = time.time() - os.path.getmtime(lock)
         if age > max_age_s:
@@ -61,11 +58,9 @@ def make_engine(cfg):
 
 
 def leave_process_group():
-    """End of a trainer's process: this rank leaves the process group DeepSpeed made. Where one is left open,
-    NCCL warns at exit that it can leak resources (seen on an H100: docs/gpu_notes.md). Not at the end of
-    main(): DeepSpeed keeps its handle on the group, and a second run in the same process (the tests, a
-    notebook) would find it destroyed. After a run that ended well only: where a rank stops on an error, the
-    others may still be inside a collective, and NCCL's teardown could then wait on them."""
+    """End of a trainer's process, after a run that ended well: this rank leaves the process group DeepSpeed made
+    (NCCL warns at exit of one left open). Not at the end of main(): a second run in the same process (the tests,
+    a notebook) would find DeepSpeed's group destroyed. Not after an error: other ranks may be in a collective."""
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

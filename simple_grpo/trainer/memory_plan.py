@@ -4,47 +4,8 @@
         --offload_optimizer --gradient_checkpointing --plan_gpu_gb 80 --max_new_tokens 700 --max_model_len 1024
     WORLD_SIZE=8 python grpo_vllm_one.py --plan ...      # the plan for 8 training ranks on one node
 
-prints a table and one JSON line; the trainers call show_plan(cfg) before loading any weight, and the plan
-reads their own config (every flag and default is the trainer's). GB are 10^9 bytes. Bytes per
-parameter of the model states (P parameters, N training ranks, d = 2 for bfloat16 or 4 for float32,
-L = the largest module's parameters) as DeepSpeed 0.19.8 holds them with AdamW (runtime/zero/stage_1_and_2.py, stage3.py, fp16/unfused_optimizer.py, engine.py):
-
-                     weights      gradients      optimizer: fp32 master + Adam m, v
-  ZeRO-0 float32     4            4              0 + 8        (torch AdamW updates the weights themselves)
-  ZeRO-0 bfloat16    2            2 + 4          4 + 8        (step() makes fp32 copies of the gradients)
-  ZeRO-1             d            d + 4/N        (4 + 8)/N    (float32 too: the master is a clone)
-  ZeRO-2             d            (d + 4)/N      (4 + 8)/N    d = 2: DeepSpeed's estimator, 2 + 18/N
-  ZeRO-3             d/N + dL/P   dL/P + 4/N     (4 + 8)/N    d = 2: its estimator, (4L + 18P/N)/P
-  + offload          the fp32 gradients, master and Adam go to the host: 16/N a rank (16P a node)
-  LoRA (--use_peft)  the frozen base holds weights only (d, or d/N + dL/P under ZeRO-3); gradients and
-                     the optimizer rows above count the adapters' A parameters instead of P; the
-                     activations are full training's plus what LoRA's dropout keeps (activation_bytes)
-
-
-Where 0.19.8's code holds more than its estimators count, the margin carries it: ZeRO-1/2's step()
-flattens the 16-bit gradient partition once more (d/N); ZeRO-3 keeps that partition (2/N) but makes
-the fp32 gradients one 1e9-element sub-group at a time (so 18/N may overstate it; 20/N never does).
-ZeRO-3 float32 without offload keeps no master copy (its fp32 partition is the weights). The host
-loads the checkpoint in the training dtype on every rank (dP each; DeepSpeed's estimators assume
-fp32, 4P). Host RAM is then the larger of that load and what a step holds: under ZeRO-1/2 offload the
-fp32 master and gradients and a d-byte staging copy are page-locked, each rounded up to a power of two
-(pinned()), Adam's m and v are not; with several passes a step a page-locked d-byte buffer per parameter
-sums the gradients; grpo_vllm_one's weight sync keeps two d-byte copies of the weights in shared memory;
-a checkpoint's save copies the weights once more; and each process (rank, vLLM worker) adds
-PROCESS_RUNTIME. On an H100 at 3B this bounds what ran (docs/gpu_notes.md). Not counted: the reference
-server's model (its own device). Where vLLM shares the training
-GPU (--gen_device -1 on a node with no GPU to spare, as devices.generation_gpus decides, for this
-machine's GPUs or --plan_gpus N of them), its --gen_memory share of that GPU is a row of the trainer's,
-and so is its process's CUDA context, which vLLM makes before it measures the GPU for that share
-(VLLM_CONTEXT). grpo_train.py has no vLLM: its plan has no generation GPU.
-
-The training GPU's transient rows come at different times of a step, so the plan counts the largest of
-them: the update's activations (the log-prob pass and its backward); the weight sync's, which goes one
-weight at a time (generation/weight_sync.py, lora.merged_weights): with LoRA one merged weight and the
-delta it is made from, under ZeRO-3 one module's parameters gathered whole; and under ZeRO-3 a
-checkpoint's save, which gathers every parameter whole at once. At 7B with all-linear LoRA the update's
-7.4 GB is the largest (the sync's 0.3). The sync used to merge every adapted weight before copying any
-(13.3 GB there, the step's peak on an H100: docs/gpu_notes.md, "The 7B LoRA run against the plan").
+prints a table and one JSON line. GB are 10^9 bytes. How each row is counted: the functions below, and
+docs/gpu_notes.md, which checks the plan against runs.
 """
 import functools
 import json
@@ -58,20 +19,9 @@ GB = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 BUCKET_ELEMENTS = 5e8  # DeepSpeed's reduce_bucket_size default: one gradient bucket this long
 VLLM_RUNTIME = 2 * GB  # vLLM beyond weights and KV cache: profiled activations, CUDA graphs, sampler
-# The host memory of each trainer rank and vLLM worker beyond the buffers the plan counts: CUDA's context and
-# libraries, allocator caches, vLLM's compile workers. On an H100 at 3B (docs/gpu_notes.md) the trainer and its
-# worker held 4.6 GB beyond the counted rows between them; 3 GB a process bounds that.
-PROCESS_RUNTIME = 3 * GB
-# simple_grpo/logprobs.py's ChunkedLogProbs takes 2**25 logits a chunk on a GPU (2**22 on a CPU), beside the whole
-# logits: a bf16 chunk's float32 copy, that divided by the temperature and the previous chunk's, three float32
-# chunks at once (a float32 chunk needs no copy: two)
-LOGPROB_CHUNK = 2 ** 25
-# vLLM (0.26 .. 0.32, gpu_worker.init_device) measures the GPU for its gpu_memory_utilization share after its process
-# has made its CUDA context (and its distributed state; with one GPU, no NCCL communicator): the share has the
-# weights, the KV cache, the profiled activations, CUDA graphs and the memory that grew during its start, not the
-# context. A CUDA context with torch's kernels loaded lazily takes about 0.5 GB on an H100; the trainer's own is in
-# its 1 GB margin.
-VLLM_CONTEXT = 0.5 * GB
+PROCESS_RUNTIME = 3 * GB  # host memory of a trainer rank or vLLM worker beyond the counted buffers: CUDA, libraries
+LOGPROB_CHUNK = 2 ** 25  # logits a chunk of logprobs.py's ChunkedLogProbs on a GPU
+VLLM_CONTEXT = 0.5 * GB  # vLLM's CUDA context: made before it measures the GPU, so outside its --gen_memory share
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,7 +83,20 @@ def lora_merge_bytes(cfg, m, d):
 
 
 def model_states(P, L, d, stage, offload, N):
-    """The table above: bytes on one training GPU (weights, gradients, optimizer), and on the host per rank."""
+    """Bytes on one training GPU (weights, gradients, optimizer), and on the host per rank. Per parameter (P
+    parameters, N training ranks, d = 2 for bfloat16 or 4 for float32, L = the largest module's parameters), as
+    DeepSpeed 0.19.8 holds them with AdamW (runtime/zero/stage_1_and_2.py, stage3.py, engine.py):
+
+                     weights      gradients      optimizer: fp32 master + Adam m, v
+      ZeRO-0 float32     4            4              0 + 8        (torch AdamW updates the weights themselves)
+      ZeRO-0 bfloat16    2            2 + 4          4 + 8        (step() makes fp32 copies of the gradients)
+      ZeRO-1             d            d + 4/N        (4 + 8)/N    (float32 too: the master is a clone)
+      ZeRO-2             d            (d + 4)/N      (4 + 8)/N    d = 2: DeepSpeed's estimator, 2 + 18/N
+      ZeRO-3             d/N + dL/P   dL/P + 4/N     (4 + 8)/N    d = 2: its estimator, (4L + 18P/N)/P
+      + offload          the fp32 gradients, master and Adam go to the host: 16/N a rank
+
+    ZeRO-3 float32 without offload keeps no master copy (its fp32 partition is the weights). What step() holds
+    beyond this (ZeRO-1/2 flatten the 16-bit gradient partition once more) is in plan_memory's margin."""
     host = 16 * P / N if offload else 0  # fp32 gradients, master and Adam m, v of this rank's partition
     if stage == 0:
         fp32_copies = 4 if d == 2 else 0
@@ -171,12 +134,21 @@ def activation_bytes(m, d, seqs, seq_len, completion_len, checkpointing, lora_in
     (h) stays, with the last RMSNorm's fp32 intermediates (8h bytes; it is outside the layers), and the logits'
     phase (first in backward) and a recomputed layer's (after it) come one after the other: the larger counts."""
     tokens, h, I, V = seqs * seq_len, m["hidden"], m["intermediate"], m["vocab"]
-    layer = d * (10 * h + 4 * m["kv_heads"] * m["head_dim"] + 4 * I) + 16 * h + (d + 1) * lora_inputs
-    layer_backward = 2 * d * I
+    # per token and layer
+    attention_elements = 10 * h + 4 * m["kv_heads"] * m["head_dim"]  # q, k, v before and after rotary, its output
+    mlp_elements = 4 * I  # gate, up, silu(gate), their product
+    norm_bytes = 16 * h  # the two RMSNorms' float32 intermediates
+    lora_dropout_bytes = (d + 1) * lora_inputs  # dropout's output (d bytes) and its bool mask
+    layer = d * (attention_elements + mlp_elements) + norm_bytes + lora_dropout_bytes
+    layer_backward = 2 * d * I  # the gradients of the MLP's gate and up while its backward runs
     rows = seqs * (completion_len + 1 if checkpointing else completion_len)
-    logits = (3 if checkpointing else 2) * rows * V * d + (3 if d == 2 else 2) * 4 * min(chunk, rows * V)
+    # the logits' copies: the lm_head's output and the cat; with checkpointing it, a copy and the gradient
+    logits_copies = 3 if checkpointing else 2
+    float32_chunks = 3 if d == 2 else 2  # the log-softmax's loop: a bf16 chunk's float32 copy too
+    logits = logits_copies * rows * V * d + float32_chunks * 4 * min(chunk, rows * V)
     if checkpointing:
-        return tokens * (m["layers"] * d * h + 8 * h) + max(tokens * (layer + layer_backward), logits)
+        last_norm_bytes = 8 * h  # the final RMSNorm's float32 intermediates, outside the layers
+        return tokens * (m["layers"] * d * h + last_norm_bytes) + max(tokens * (layer + layer_backward), logits)
     return m["layers"] * tokens * layer + max(logits, tokens * layer_backward)
 
 
@@ -211,7 +183,16 @@ def vllm_shares_training_gpu(cfg, world_size):
 def plan_memory(cfg, world_size=1, gpu_gb=None):
     """The plan for a trainer's config `cfg` (grpo_train's or grpo_vllm_one's): bytes per row for the
     training GPU, the generation GPU and the host, `fits`, `reasons` (why, and what to change) and the
-    summary keys of plan_json."""
+    summary keys of plan_json.
+
+    The training GPU holds the model states (model_states; with LoRA the frozen base holds weights only), the
+    largest of the transient rows, which come one after another (the update's activations; the weight sync's,
+    one weight at a time: with LoRA one merged weight, under ZeRO-3 one module gathered whole; a ZeRO-3
+    checkpoint's save, every parameter gathered at once), a margin, and where vLLM shares the GPU its --gen_memory
+    share and CUDA context. The host holds the larger of the checkpoint's load (d bytes a parameter on every
+    rank) and a step's buffers: under ZeRO-1/2 offload the page-locked fp32 master and gradients and a d-byte
+    copy (pinned()), a page-locked buffer that sums the gradients over several passes, the weight sync's two
+    shared copies, a checkpoint save's copy; and PROCESS_RUNTIME a process. Not counted: the ref server's model."""
     dtype, stage, offload = cfg.dtype, cfg.zero_stage, cfg.offload_optimizer
     checkpointing = cfg.gradient_checkpointing
     uses_vllm = hasattr(cfg, "gen_memory")  # grpo_vllm_one; grpo_train generates on the training GPU
