@@ -11,22 +11,12 @@ log-probability of the better-than-average ones (Shao et al. 2024, DeepSeekMath)
     loss     = mean over sequences of [ mean over completion tokens of (L_clip_t + beta * KL_t) ]
 
 old_logp is pi_old: the trainer's own log-probs before the step (so ratio_t is 1 in a step's first
-iteration, and only its gradient counts). In grpo_train.py that is the policy that sampled, and w_t is
-1. In grpo_vllm_one.py vLLM sampled, with weights one update older than the trainer's (--max_policy_lag)
-and other kernels; w_t, detached, corrects for that. With --tis_cap 0 there is no w_t, and vLLM's
-log-probs are old_logp.
+iteration, and only its gradient counts). In grpo_train.py that policy sampled, and w_t is 1. In
+grpo_vllm_one.py vLLM sampled, with older weights (--max_policy_lag) and other kernels; w_t, detached,
+corrects for that. With --tis_cap 0 there is no w_t, and vLLM's log-probs are old_logp.
 
-grpo_objective, first below, is that loss in a dozen lines, for reading. grpo_loss, last, computes
-the same number with the variants of the papers that followed as options (names as in TRL's
-GRPOConfig): how the tokens are averaged (loss_type), whether the ratio is per token or per
-sequence (importance_sampling_level, GSPO), which KL estimator; group_advantages has the advantage's
-(how rewards are scaled, RAFT).
-
-completion_logps gives the log-probs these take, the plain way (one forward, log_softmax, gather):
-grpo_train.py's policy (and its LoRA reference) use it. The reference server and grpo_vllm_one.py take
-the same numbers from simple_grpo/logprobs.py's sequence_logps, in less time and memory (a group's
-prompt runs once for its G completions); tests/test_ref_server.py checks they agree.
-
+grpo_objective, first below, is that loss in a dozen lines, for reading. grpo_loss, last, computes the
+same number with the variants of the papers that followed as options (names as in TRL's GRPOConfig).
 Shapes: Q prompts, G completions per prompt, B = Q*G rows (the G completions of a prompt one after
 another), P prompt tokens, C completion tokens, V the vocabulary.
 """
@@ -100,22 +90,15 @@ ADVANTAGE_ESTIMATORS = ("grpo", "raft")
 
 
 def group_advantages(rewards, group_size, *, scale_rewards="group", eps=1e-4, estimator="grpo", correct=None):
-    """A = r - mean_group, divided by a std: the group's ("group", GRPO), the whole batch's
-    ("batch", more robust when a group's rewards are nearly equal) or none ("none", Dr. GRPO:
-    dividing by a small std weights easy and hard questions up). rewards (B,), group after group.
-    eps: a group whose rewards are all equal gets A = 0 / (0 + eps) = 0, not 0 / 0 = NaN, and one whose
-    rewards differ by less than about eps (noise) gets small advantages, not ones of size 1. At 1e-4 (TRL's
-    and simple_GRPO's value) it shrinks the advantages of rewards that differ by a reward step by under
-    0.1% (std 0.18 where one completion of 8 differs by 0.5, the format reward's weight).
+    """A = r - mean_group, divided by a std: the group's ("group", GRPO), the whole batch's ("batch") or none
+    ("none", Dr. GRPO: dividing by a small std weights easy and hard questions up). rewards (B,), group after
+    group. eps: a group whose rewards are all equal gets A = 0 / (0 + eps) = 0, not NaN.
 
-    estimator "raft" (RAFT, Dong et al. 2023; rejection-sampling fine-tuning as in Xiong et al. 2025):
-    A = 1 for each correct completion, 0 for the rest; correct (B,) is 1 where a completion earned the
-    correctness reward (not the summed reward: with a format reward in it, "the group's best" would keep the
-    wrong answers of a group where every answer is wrong but well formatted). A group with no correct
-    completion has no signal. At ratio 1 the loss's gradient is then -grad log pi of the correct completions:
-    supervised training on the model's own right answers, with no baseline and no push down.
-    Reinforce-Rej (Xiong et al. 2025: drop the all-wrong and all-right groups, A = r - mean) is "grpo" with
-    scale_rewards "none": the trainers already drop the groups whose rewards are all alike."""
+    estimator "raft" (RAFT, Dong et al. 2023): A = 1 for each correct completion, 0 for the rest; correct (B,) is
+    1 where a completion earned the correctness reward (not the summed reward, which a format reward is part of).
+    At ratio 1 the loss's gradient is then -grad log pi of the correct completions: supervised training on the
+    model's own right answers. Reinforce-Rej (Xiong et al. 2025) is "grpo" with scale_rewards "none": the
+    trainers already drop the groups whose rewards are all alike."""
     r = rewards.view(-1, group_size)
     if estimator == "raft":
         if correct is None:
@@ -194,14 +177,12 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 
 def loss_denominator(loss_mask, loss_type="grpo", max_completion_length=None):
     """What a loss type divides its sum by, counted on the batch: (B, C) loss_mask -> a number.
-      grpo:              sequences (each sequence's mean over its tokens is summed)
-      bnpo, dapo, cispo: completion tokens
-      dr_grpo:           sequences * max_completion_length
-
-    One step, however the batch is split. A trainer that splits the batch into micro-batches or over
-    several ranks divides every part's sum by the WHOLE batch's count, counted before the passes: then
-    the parts' gradients add up to exactly the whole batch's, whichever part a group lands in. Dividing
-    each part by its own count would weigh a group on a rank with 1 group 3x one on a rank with 3."""
+      grpo:              sequences (each sequence's mean over its tokens is summed: a token of a short
+                         answer weighs more than one of a long answer)
+      bnpo, dapo, cispo: completion tokens (every token weighs the same)
+      dr_grpo:           sequences * max_completion_length (a constant: no length bias; Liu et al. 2025)
+    A trainer that splits the batch (micro-batches, ranks) divides every part's sum by the WHOLE batch's count:
+    then the parts' gradients add up to the whole batch's, whichever part a group lands in."""
     if loss_type == "grpo":
         return loss_mask.size(0)
     if loss_type in ("bnpo", "dapo", "cispo"):
@@ -214,13 +195,8 @@ def loss_denominator(loss_mask, loss_type="grpo", max_completion_length=None):
 
 
 def aggregate(per_token, loss_mask, loss_type="grpo", max_completion_length=None, denominator=None):
-    """One number from the per-token losses; the loss types differ in how tokens are weighted.
-      grpo:         mean over each sequence's tokens, then over sequences (a token of a short
-                    answer weighs more than one of a long answer)
-      bnpo, dapo, cispo: sum over all tokens / number of tokens (every token weighs the same)
-      dr_grpo:      sum over all tokens / (sequences * max_completion_length) (a constant: no
-                    length bias at all; Liu et al. 2025)
-    denominator: the whole batch's loss_denominator when this is a part of it (None: this batch's own)."""
+    """One number from the per-token losses: their sum (grpo: of each sequence's token mean) divided by
+    loss_denominator, or by `denominator`, the whole batch's, when this is a part of it."""
     if denominator is None:
         denominator = loss_denominator(loss_mask, loss_type, max_completion_length)
     if loss_type == "grpo":
@@ -229,12 +205,10 @@ def aggregate(per_token, loss_mask, loss_type="grpo", max_completion_length=None
 
 
 def capped_is_weight(old_logps, sampler_logps, cap):
-    """Capped importance sampling (the literature's "truncated importance sampling", TIS; verl's
-    tis_imp_ratio_cap, TRL's vllm_importance_sampling_correction): a fast sampler (vLLM, bf16 kernels,
-    weights up to --max_policy_lag versions old) does not compute the trainer's numbers exactly, so the
-    tokens were drawn from pi_sampler, not pi_old. Each token's policy-gradient term is weighted by
-    min(pi_old / pi_sampler, cap), detached: the mismatch is corrected where it is small and bounded
-    where it is large, and it never reaches the PPO clip, which sees pi / pi_old alone."""
+    """Capped importance sampling (TIS; verl's tis_imp_ratio_cap, TRL's vllm_importance_sampling_correction): a
+    fast sampler (vLLM: bf16 kernels, older weights) drew the tokens from pi_sampler, not pi_old. Each token's
+    policy-gradient term is weighted by min(pi_old / pi_sampler, cap), detached: bounded where the mismatch is
+    large, and unseen by the PPO clip, which sees pi / pi_old alone."""
     return torch.exp(old_logps - sampler_logps).clamp(max=cap).detach()
 
 
@@ -243,21 +217,15 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, loss_mask, *, beta=0.04, 
               max_completion_length=None, impl="torch", sampler_logps=None, tis_cap=2.0, denominator=None):
     """The GRPO loss and its diagnostics. Shapes: (B, C) except advantages (B,).
 
-    Option names follow TRL's GRPOConfig; loss_mask (TRL's completion_mask) is 1 for the tokens the loss
-    counts (grpo_math.completion_mask). old_logps are pi_old, the ratio's denominator: the trainer's own
-    log-probs before this batch's first update (logps.detach() at the first iteration: ratio 1, gradient
-    -A * grad logp), or, when the trainer's own policy did not sample (grpo_vllm_one.py with --tis_cap 0),
-    the sampler's. ref_logps may be None when beta == 0. impl="triton" computes the per-token loss in one
-    fused kernel (triton_loss/) with the same numbers; the kernel has the clipped token-level loss with
-    k3, and the other options take the torch path. sampler_logps: the log-probs the sampler reported,
-    when another engine sampled (vLLM); then each token's policy-gradient term is weighted by
-    capped_is_weight(old_logps, sampler_logps, tis_cap). denominator: when these rows are a part of a
-    larger batch (a micro-batch, a rank's share), the whole batch's loss_denominator (aggregate)."""
+    loss_mask (TRL's completion_mask) is 1 for the tokens the loss counts. old_logps are pi_old, the ratio's
+    base. ref_logps may be None when beta == 0. sampler_logps: the log-probs of another engine that sampled
+    (vLLM); then each token's policy-gradient term is weighted by capped_is_weight(old_logps, sampler_logps,
+    tis_cap). denominator: the whole batch's loss_denominator when these rows are a part of it (aggregate).
+    impl="triton" computes the clipped token-level k3 loss in one fused kernel (triton_loss/), the same numbers;
+    the other options take the torch path."""
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
-    # a masked position may hold anything: ref_logps are padded with 0 past a completion's end, and the policy's
-    # log-prob of a padding token can be -inf or far below -88 (k3's exp(ref - logp) is then inf in float32,
-    # and inf x 0, the mask, is NaN in the loss and its gradient). Every input is set to 0 there first: the
-    # kept tokens' numbers are the same, and no masked position reaches the loss or the gradient.
+    # a masked position may hold anything (a padding token's log-prob can be -inf: k3's exp(ref - logp) is then
+    # inf, and inf x 0, the mask, NaN). Every input is 0 there, so no masked position reaches the loss or gradient
     keep = loss_mask.bool()
     logps, old_logps = logps.masked_fill(~keep, 0.0), old_logps.masked_fill(~keep, 0.0)
     ref_logps = ref_logps.masked_fill(~keep, 0.0) if ref_logps is not None else None
@@ -277,27 +245,25 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, loss_mask, *, beta=0.04, 
     loss = aggregate(per_token, loss_mask, loss_type, max_completion_length, denominator)
 
     with torch.no_grad():
-        A, n = advantages[:, None], loss_mask.sum().clamp(min=1)
+        n, A = loss_mask.sum().clamp(min=1), advantages[:, None]
+
+        def mean(x):  # over the tokens the loss counts
+            return ((x * loss_mask).sum() / n).item()
+
+        def lowest_highest(x, none):  # over the tokens the loss counts (`none` where it counts none)
+            return (x[keep].min().item(), x[keep].max().item()) if keep.any() else (none, none)
         # tokens whose gradient the clip removed, below 1 - epsilon (A < 0) and above 1 + epsilon_high (A > 0);
         # cispo caps the weight of every token above 1 + epsilon_high, whatever its advantage
         high = ratio > 1 + epsilon_high
         clipped_low = (ratio < 1 - epsilon) & (A < 0) if loss_type != "cispo" else torch.zeros_like(high)
         clipped_high = high if loss_type == "cispo" else high & (A > 0)
-        on = loss_mask.bool()
-        stats = {"kl": ((kl * loss_mask).sum() / n).item(),
-                 "clip_fraction": (((clipped_low | clipped_high).float() * loss_mask).sum() / n).item(),
-                 "clip_low_frac": ((clipped_low.float() * loss_mask).sum() / n).item(),
-                 "clip_high_frac": ((clipped_high.float() * loss_mask).sum() / n).item(),
-                 "ratio_mean": ((ratio * loss_mask).sum() / n).item(),
-                 "ratio_min": ratio[on].min().item() if on.any() else 1.0,
-                 "ratio_max": ratio[on].max().item() if on.any() else 1.0}
+        stats = {"kl": mean(kl), "clip_fraction": mean(clipped_low | clipped_high), "clip_low_frac": mean(clipped_low),
+                 "clip_high_frac": mean(clipped_high), "ratio_mean": mean(ratio)}
+        stats["ratio_min"], stats["ratio_max"] = lowest_highest(ratio, 1.0)
         if sampler_logps is not None:  # how far the sampler's numbers are from the trainer's (policy lag included)
             gap = (old_logps - sampler_logps).abs()
-            stats.update(sampler_gap_mean=((gap * loss_mask).sum() / n).item(),
-                         sampler_gap_max=gap[on].max().item() if on.any() else 0.0,
-                         is_weight_mean=((is_weight * loss_mask).sum() / n).item(),
-                         is_weight_min=is_weight[on].min().item() if on.any() else 1.0,
-                         is_weight_max=is_weight[on].max().item() if on.any() else 1.0,
-                         # the share of tokens whose weight the cap holds (the logged name is TIS's)
-                         is_capped_frac=(((is_weight >= tis_cap).float() * loss_mask).sum() / n).item())
+            stats.update(sampler_gap_mean=mean(gap), sampler_gap_max=lowest_highest(gap, 0.0)[1],
+                         is_weight_mean=mean(is_weight))
+            stats["is_weight_min"], stats["is_weight_max"] = lowest_highest(is_weight, 1.0)
+            stats["is_capped_frac"] = mean(is_weight >= tis_cap)  # tokens the cap holds (TIS's logged name)
     return loss, stats
