@@ -93,12 +93,8 @@ def group_advantages(rewards, group_size, *, scale_rewards="group", eps=1e-4, es
     """A = r - mean_group, divided by a std: the group's ("group", GRPO), the whole batch's ("batch") or none
     ("none", Dr. GRPO: dividing by a small std weights easy and hard questions up). rewards (B,), group after
     group. eps: a group whose rewards are all equal gets A = 0 / (0 + eps) = 0, not NaN.
-
-    estimator "raft" (RAFT, Dong et al. 2023): A = 1 for each correct completion, 0 for the rest; correct (B,) is
-    1 where a completion earned the correctness reward (not the summed reward, which a format reward is part of).
-    At ratio 1 the loss's gradient is then -grad log pi of the correct completions: supervised training on the
-    model's own right answers. Reinforce-Rej (Xiong et al. 2025) is "grpo" with scale_rewards "none": the
-    trainers already drop the groups whose rewards are all alike."""
+    estimator "raft" (RAFT, Dong et al. 2023): A = 1 for each correct completion, 0 for the rest (correct (B,): 1
+    where a completion earned the correctness reward): supervised training on the model's own right answers."""
     r = rewards.view(-1, group_size)
     if estimator == "raft":
         if correct is None:

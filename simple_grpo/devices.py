@@ -1,10 +1,5 @@
-"""Which device each process uses, and whether it has room: the generation worker's GPUs, the
-device of collective tensors, shared memory for the weight sync.
-
-GPU ids are physical, as `nvidia-smi` numbers them, whatever CUDA_VISIBLE_DEVICES says: the
-deepspeed launcher hides every GPU but the trainer's (`--include localhost:2` sets
-CUDA_VISIBLE_DEVICES=2), so "GPU 1" inside the trainer would not name the GPU the user meant.
-"""
+"""Which device each process uses, and whether it has room: the generation worker's GPUs (physical ids, as
+nvidia-smi numbers them, whatever CUDA_VISIBLE_DEVICES hides), the device of collective tensors, shared memory."""
 import os
 import shutil
 import subprocess
@@ -35,8 +30,7 @@ def visible_gpus(physical, env=None):
 
 
 def physical_gpu(device):
-    """The physical id (as nvidia-smi numbers it) of a torch device string in this process, e.g. "cuda" under
-    CUDA_VISIBLE_DEVICES=7 is GPU 7; None for a CPU, or where CUDA_VISIBLE_DEVICES does not name GPUs by number."""
+    """The physical id of a torch device string here ("cuda" under CUDA_VISIBLE_DEVICES=7: 7), or None."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
@@ -144,8 +138,7 @@ def sum_over_ranks(*values):
 
 
 def check_shared_memory(nbytes, path="/dev/shm"):
-    """Stop with a clear message unless `path` has room for nbytes (the weight sync's two buffers).
-    A container's default /dev/shm is 64 MB; the buffers hold the whole model twice."""
+    """Stop with a clear message unless `path` has room for nbytes (the weight sync's two buffers)."""
     free = shutil.disk_usage(path).free
     if free < nbytes:
         need_gb = -(-nbytes // 2**30) + 1

@@ -1,20 +1,11 @@
-"""Config dataclasses as command lines: every field is a --flag with one line of help, under a header.
-
-    @dataclass
-    class Config:
-        SECTIONS = {"model": "model and data", "lr": "optimisation"}  # header: starts at this field
-        model: str = flag("models/tiny-math", "the policy's starting point")
-        lr: float = flag(1e-6, "Adam's learning rate")
-
-    cfg = parse_flags(Config, __doc__)          # python script.py --lr 1e-5; --help lists them
-"""
+"""Config dataclasses as command lines (cfg = parse_flags(Config, __doc__)): each field declared with
+flag(default, help) is a --flag, and --help lists it under the header Config.SECTIONS starts at it."""
 import argparse
 from dataclasses import field, fields
 
 
 def flag(default, help):
-    """A dataclass field that HfArgumentParser turns into --name with this help (taken as written:
-    argparse would read a % in it as a format)."""
+    """A dataclass field that HfArgumentParser turns into --name with this help (a % in it taken as written)."""
     return field(default=default, metadata={"help": help.replace("%", "%%")})
 
 

@@ -1,10 +1,6 @@
-"""The trainers' fast log-probs: per-token log-probs of completions, and their entropy, for
-grpo_vllm_one.py's update, the reference server (load_reference, then sequence_logps) and the tools.
-
-grpo_math.completion_logps is the plain version a student reads (one forward, log_softmax, gather);
-sequence_logps computes the same numbers faster and in less memory: a group's prompt runs once and
-its KV cache is copied to the G completions, and the log-softmax goes a chunk of rows at a time
-(ChunkedLogProbs), forward and backward, where the logits have more rows than a chunk.
+"""Fast per-token log-probs of completions, and their entropy, for grpo_vllm_one.py's update and the reference
+server: grpo_math.completion_logps's numbers (the plain version), with a group's prompt run once for its G
+completions, and the log-softmax a chunk of rows at a time (ChunkedLogProbs), in less time and memory.
 """
 import torch
 
@@ -12,13 +8,10 @@ from simple_grpo.devices import auto_device, auto_dtype
 
 
 class ChunkedLogProbs(torch.autograd.Function):
-    """log softmax(logits / T)[token_ids] and its gradient, a few rows at a time.
-
-    Forward keeps one row logsumexp per token; backward recomputes the softmax chunk by chunk:
-    d logp_t / d logit_v = (1[v = t] - softmax_v) / T. Its float32 temporaries are one chunk's, not
-    (N, V). When the logits are a tensor of their own that autograd made (sequence_logps' torch.cat of
-    the prompt's and the completions' logits, which nothing else reads in backward), the gradient is
-    written over them, so it costs no new (N, V) tensor either."""
+    """log softmax(logits / T)[token_ids] and its gradient, a few rows at a time: float32 temporaries of one
+    chunk, not (N, V). Forward keeps one logsumexp per token; backward recomputes the softmax chunk by chunk,
+    d logp_t / d logit_v = (1[v = t] - softmax_v) / T, written over the logits where they are a tensor of their
+    own that autograd made (sequence_logps' torch.cat, which nothing else reads in backward)."""
 
     @staticmethod
     def forward(ctx, logits, token_ids, temperature, chunk_rows):
@@ -53,11 +46,8 @@ class ChunkedLogProbs(torch.autograd.Function):
 
 
 def selective_log_softmax(logits, token_ids, temperature=1.0, chunk_rows=None):
-    """log softmax(logits / temperature)[token_ids], (B, T, V), (B, T) -> (B, T).
-
-    The memory-efficient torch path (ChunkedLogProbs): the full (B, T, V) log-softmax is never
-    held in memory, forward or backward. Dividing by the sampling temperature makes these the
-    log-probs of the distribution the tokens were drawn from."""
+    """log softmax(logits / temperature)[token_ids], (B, T, V), (B, T) -> (B, T), never holding the whole
+    (B, T, V) log-softmax (ChunkedLogProbs). The temperature makes these the sampling distribution's."""
     # ~4M logits (16 MB fp32) at a time on a CPU; on a GPU, 32M: fewer, larger kernels run faster
     chunk_rows = chunk_rows or max(1, (1 << (22 if logits.device.type == "cpu" else 25)) // logits.size(-1))
     return ChunkedLogProbs.apply(logits, token_ids, temperature, chunk_rows)
@@ -74,15 +64,11 @@ def prefill_prompts(model, prompt_ids, prompt_mask, copies):
 
 
 def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, temperature=1.0, impl="torch", entropy=False):
-    """Per-token log-probs of the completion tokens under `model`, (Q*G, C); with entropy=True,
-    also the entropy of each position's distribution (token_entropy), from the same logits.
-
-    prompt_ids (Q, P) are left-padded; completion_ids (Q*G, C) are right-padded, the G
-    completions of each prompt one after another (G = 1 is a plain batch). The G
-    completions of a group share their prompt, and the prompt is most of the tokens
-    (~130 of ~150 here), so the prompt runs once and its KV cache is copied G times:
-    the same numbers as one forward over prompt + completion, for a fraction of the work.
-    Positions count real tokens only, as in generation, so the numbers match the sampler's."""
+    """Per-token log-probs of the completion tokens under `model`, (Q*G, C); with entropy=True, also each
+    position's entropy (token_entropy), from the same logits. prompt_ids (Q, P) are left-padded; completion_ids
+    (Q*G, C) right-padded, the G completions of each prompt one after another. Each prompt runs once and its KV
+    cache is copied G times: the numbers of one forward over prompt + completion, for less work. Positions count
+    real tokens only, as in generation."""
     Q, B, C = prompt_ids.size(0), completion_ids.size(0), completion_ids.size(1)
     if B % Q:
         raise ValueError(f"{B} completions for {Q} prompts: expected the same number per prompt")
@@ -109,9 +95,8 @@ def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, temperature=1
 
 @torch.inference_mode()
 def load_reference(cfg):
-    """The reference server's frozen model (cfg: protocol.ServerConfig), in evaluation mode with no gradients.
-    cfg.device and cfg.dtype "auto" are resolved here: the first visible GPU in bf16, else the CPU in fp32. Its
-    log-probs of an uploaded group are sequence_logps of the group's one prompt and G completions."""
+    """The reference server's frozen model (cfg: protocol.ServerConfig), in evaluation mode with no gradients;
+    cfg.device and cfg.dtype "auto" resolved here: the first visible GPU in bf16, else the CPU in fp32."""
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(cfg.threads)
     cfg.device = auto_device(cfg.device)
@@ -136,9 +121,8 @@ def log_probs_of(logits, token_ids, temperature, impl="torch", entropy=False):
 
 @torch.no_grad()
 def token_entropy(logits, temperature=1.0, chunk_rows=None):
-    """The entropy -sum_v p_v log p_v of each position's sampling distribution p = softmax(logits / T),
-    (B, T, V) -> (B, T), a few rows at a time: H = logsumexp(x) - sum_v p_v x_v with x = logits / T.
-    A diagnostic (TRL's "entropy"): how sure the policy is; no gradient flows through it."""
+    """The entropy -sum_v p_v log p_v of each position's sampling distribution p = softmax(logits / T), (B, T, V)
+    -> (B, T), a few rows at a time: H = logsumexp(x) - sum_v p_v x_v, x = logits / T. A diagnostic, no gradient."""
     V = logits.size(-1)
     rows = logits.reshape(-1, V)
     chunk_rows = chunk_rows or max(1, (1 << 22) // V)

@@ -127,13 +127,13 @@ def test_each_derived_default_is_printed_with_why(capsys):
         "  * ref_url http://127.0.0.1:59875: the default reference server (python ref_server.py), for "
         "--beta 0.04's KL term"]
     block = "\n".join(lines)
-    assert "epsilon_high 0.28*" in block and "lr 1e-06*" in block and "epsilon 0.2," in block
+    assert "epsilon_high=0.28*" in block and "lr=1e-06*" in block and "epsilon=0.2," in block
 
 
 def test_flags_the_user_set_are_not_printed_as_derived(capsys):
     check_options(Config(epsilon_high=0.3, scale_rewards="batch", lr=1e-5, ref_url="http://127.0.0.1:9"))
     out = capsys.readouterr().out
-    assert "*" not in out.split("\n", 1)[1] and "epsilon_high 0.3," in out and "lr 1e-05," in out
+    assert "*" not in out.split("\n", 1)[1] and "epsilon_high=0.3," in out and "lr=1e-05," in out
 
 
 def test_every_number_of_a_step_is_printed_in_one_block_at_start(capsys):
@@ -146,8 +146,8 @@ def test_every_number_of_a_step_is_printed_in_one_block_at_start(capsys):
     block = out[out.index("one step's numbers"):]
     for names in STEP_NUMBERS.values():
         for name in names:
-            assert f" {name} " in block, name
-    for shown in ("tis_cap 1.5", "sync_every 2", "max_policy_lag 3", "beta 0.01", "num_generations 8"):
+            assert f" {name}=" in block, name
+    for shown in ("tis_cap=1.5", "sync_every=2", "max_policy_lag=3", "beta=0.01", "num_generations=8"):
         assert shown in block
     check_options(Config())  # grpo_train.py: no generation worker, no generation line
     assert "generation:" not in capsys.readouterr().out

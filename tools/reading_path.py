@@ -62,7 +62,6 @@ LEFT_OUT = [
     ("simple_grpo/reference/http_server.py", "the server's HTTP: checks each upload, bounds connections"),
     ("grpo_train.py:check_one_process", "refuses the flags only grpo_vllm_one.py has"),
     ("simple_grpo/trainer/config.py:check_values", "refuses bad values, sets nothing"),
-    ("simple_grpo/trainer/config.py:first_process", "whether this process prints the start-up lines"),
     ("simple_grpo/task/config.py:check_task", "refuses bad task values, sets nothing"),
     ("simple_grpo/trainer/deepspeed_engine.py:leave_process_group", "after the last step"),
     ("simple_grpo/generation/config.py:GenerationConfig.__post_init__", "refuses --gen_* values that cannot run"),

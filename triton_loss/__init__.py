@@ -1,10 +1,5 @@
-"""triton_loss: fused Triton kernels for the log-prob and loss path (see README.md here).
-
-    python grpo_vllm_one.py --loss_impl triton      # on a GPU; on CPU with TRITON_INTERPRET=1 (slow)
-
-selective_log_softmax_triton and per_token_loss_triton give the numbers of grpo_math's
-torch versions; check_loss_impl refuses --loss_impl triton where Triton cannot run.
-"""
+"""triton_loss: fused Triton kernels for the log-prob and loss path, --loss_impl triton (README.md here), with
+the numbers of the torch versions; check_loss_impl refuses it where Triton cannot run."""
 import os
 
 import torch
@@ -25,8 +20,7 @@ def triton_problem():
 
 
 def check_loss_impl(loss_impl):
-    """Stop on a --loss_impl that is not 'torch' or 'triton', or on 'triton' where Triton cannot run
-    (a flag acts or refuses: a silent fall back to torch would report the kernels' speed as theirs)."""
+    """Stop on a --loss_impl that is not 'torch' or 'triton', or on 'triton' where Triton cannot run."""
     if loss_impl not in ("torch", "triton"):
         raise SystemExit(f"--loss_impl must be 'torch' or 'triton', got {loss_impl!r}")
     if loss_impl == "triton" and (problem := triton_problem()):

@@ -1,2 +1,1 @@
-"""The trainer's side: its flags and checks (config.py), the GRPO update (update.py), the DeepSpeed engine
-(deepspeed_engine.py) and its config (deepspeed_config.py), the memory plan (memory_plan.py)."""
+"""The trainer's side: flags (config.py), the GRPO update (update.py), DeepSpeed (deepspeed_*.py), memory_plan.py."""

@@ -1,21 +1,10 @@
-"""The trainers' shared flags and their checks: what both grpo_train.py and grpo_vllm_one.py take.
-
-Every number a default step uses is a field's default here, in the TaskConfig this extends (G, T,
---max_new_tokens) or, for grpo_vllm_one.py, in generation/config.py (tis_cap, sync_every, max_policy_lag,
-gen_memory); each trainer's --help lists it, and check_options prints them all as one block at start
-(STEP_NUMBERS, step_numbers): the objective's
-beta and epsilon (grpo_math.grpo_loss, whose keyword defaults are the same), the optimizer's lr, betas,
-eps, weight decay and clip (deepspeed_config.flag_config passes them to DeepSpeed), the 1e-4 added to a
-group's reward std (--advantage_eps, grpo_math.group_advantages's eps). Only --lr's default depends on the
-model (default_lr below, its two values in --lr's help).
-
-Each script's Config extends TrainerConfig with the flags that are its own (grpo_vllm_one.py adds the
-generation worker's, simple_grpo/generation/config.py); check_options fills in the defaults that depend
-on other flags and refuses bad values before the slow start-up.
-"""
+"""The flags both trainers take (each script's Config extends TrainerConfig) and check_options: it refuses bad
+values before the slow start-up, fills in the defaults that depend on other flags, and prints every number of a
+step as one block (STEP_NUMBERS)."""
 import dataclasses
 import multiprocessing
 import os
+import textwrap
 from dataclasses import dataclass
 from typing import Optional
 
@@ -45,18 +34,14 @@ class TrainerConfig(TaskConfig):
     loss_type: str = flag("grpo", "grpo, bnpo, dr_grpo, dapo or cispo: how tokens are averaged (grpo_math.aggregate)")
     importance_sampling_level: str = flag("token", "token, or sequence (GSPO)")
     advantage_estimator: str = flag("grpo", "grpo: group-relative (r - mean) / std; raft: 1 for each correct "
-                                            "completion, 0 else (RAFT: supervised training on the model's own "
-                                            "right answers; grpo_math.group_advantages)")
+                                            "completion, 0 else (grpo_math.group_advantages)")
     scale_rewards: str = flag("", "advantage scale: group, batch or none (default: group; none for dr_grpo)")
-    advantage_eps: float = flag(1e-4, "added to the std the advantages are divided by: a group whose rewards are "
-                                      "all equal gets 0, not 0 / 0 (TRL's and simple_GRPO's 1e-4)")
+    advantage_eps: float = flag(1e-4, "added to the std the advantages are divided by: equal rewards give 0, not 0/0")
     mask_truncated_completions: bool = flag(False, "completions cut off without a stop token get no gradient")
-    lr: Optional[float] = flag(None, "AdamW's learning rate; None: the model's, 1e-4 for the tiny default model and "
-                                     "1e-6 (TRL's) for any other, as pretrained models in full want (their LoRA "
-                                     "adapters want ~1e-4, SmolLM2-135M's 2e-4)")
+    lr: Optional[float] = flag(None, "AdamW's learning rate; None: 1e-4 for the tiny default model and 1e-6 (TRL's) "
+                                     "for any other (LoRA adapters want ~1e-4)")
     adam_beta1: float = flag(0.9, "AdamW's beta1: the decay of its gradient mean")
-    adam_beta2: float = flag(0.99, "AdamW's beta2: the decay of its squared-gradient mean (TrainingArguments' "
-                                   "default is 0.999)")
+    adam_beta2: float = flag(0.99, "AdamW's beta2: the decay of its squared-gradient mean")
     adam_epsilon: float = flag(1e-8, "AdamW's eps, added to the root of the squared-gradient mean (torch's default)")
     weight_decay: float = flag(0.0, "AdamW's decoupled weight decay")
     max_grad_norm: float = flag(1.0, "the gradients' global 2-norm is clipped to this before each step")
@@ -70,15 +55,13 @@ class TrainerConfig(TaskConfig):
     lora_dropout: Optional[float] = flag(None, "dropout on the adapters' input while training (default: TRL's 0.05, "
                                                "or 0 with --disable_dropout)")
     lora_target_modules: str = flag("", "comma-separated module names, or all-linear (every linear layer but the "
-                                        "output head); default: PEFT's for the architecture (Qwen2, Llama: q_proj,v_proj)")
+                                        "output head); default: PEFT's for the architecture")
     zero_stage: int = flag(0, "DeepSpeed ZeRO stage (0-3)")
     dtype: str = flag("float32", "float32, or bfloat16 (bf16 weights and activations, fp32 master weights and Adam)")
-    disable_dropout: bool = flag(False, "every dropout of the policy at 0, LoRA's too (TRL's name and default): vLLM "
-                                        "samples and the ref server scores without dropout, so with it the trainer's "
-                                        "log-probs are those of the policy that sampled")
+    disable_dropout: bool = flag(False, "every dropout of the policy at 0, LoRA's too: the trainer's log-probs are "
+                                        "then those of the policy that sampled (vLLM has no dropout)")
     gradient_checkpointing: bool = flag(False, "recompute activations in backward: less memory, ~1/3 more compute")
-    offload_optimizer: bool = flag(False, "ZeRO-1/2/3: optimizer state and fp32 master weights in host RAM; "
-                                          "torch's fused AdamW steps them on the host's cores")
+    offload_optimizer: bool = flag(False, "ZeRO-1/2/3: optimizer state and fp32 master weights in host RAM")
     offload_threads: int = flag(0, "--offload_optimizer: torch threads for the host's optimizer step (0: the cores "
                                    "this process may use / the node's training ranks)")
     deepspeed: str = flag("", "a whole DeepSpeed config (JSON): its values win over these flags, 'auto' takes theirs")
@@ -115,9 +98,8 @@ class TrainerConfig(TaskConfig):
 
 
 def check_options(cfg):
-    """Refuse bad values (check_values), then fill in the defaults that depend on other options, before
-    the slow start-up. Each value it fills in for a flag the user left unset is printed once, with why
-    (rank 0's trainer process), and the trainers write cfg as filled in to runs/NAME/config.json."""
+    """Refuse bad values (check_values), then fill in the defaults that depend on other options, each printed
+    with why (rank 0's trainer process); the trainers write cfg as filled in to runs/NAME/config.json."""
     check_values(cfg)
     derived = {}  # flag -> (value, why): the defaults filled in below, printed at the end
     if cfg.epsilon_high is None:
@@ -137,21 +119,17 @@ def check_options(cfg):
     if not cfg.ref_url:  # whether a reference server is used follows from it (protocol.uses_ref_server)
         cfg.ref_url, why = default_ref_url(cfg)
         derived["ref_url"] = (cfg.ref_url or "(none)", why)
-    # the DeepSpeed config, once: it refuses a bad --dtype, or --offload_optimizer without ZeRO. A --deepspeed
-    # file can change the stage, dtype and optimizer the rest reads: cfg takes them (from_deepspeed_file). The
-    # defaults tell the flags the user set from the rest (an lr not given: this model's default)
+    # the DeepSpeed config refuses a bad --dtype, or --offload_optimizer without ZeRO; a --deepspeed file's stage,
+    # dtype and optimizer go into cfg. defaults: every flag at its default (lr: this model's), to tell set flags
     defaults = type(cfg)(lr=None if lr_given else cfg.lr)
     ds_config, notes = deepspeed_config(cfg, defaults)
     if cfg.deepspeed:
         derived.update(from_deepspeed_file(cfg, ds_config, defaults))
-    if first_process():
-        for note in notes:
-            print(note)
-        print(step_numbers(cfg, derived))
+    if os.environ.get("RANK", "0") == "0" and multiprocessing.parent_process() is None:  # not grpo_vllm_one's workers
+        print(*notes, step_numbers(cfg, derived), sep="\n")
 
 
-# the numbers that decide what one step computes, printed as one block at start (step_numbers); the last
-# section is grpo_vllm_one.py's own (simple_grpo/generation/config.py)
+# the numbers that decide what one step computes, printed as one block at start; generation: grpo_vllm_one.py's
 STEP_NUMBERS = {
     "sampling": ("batch_prompts", "num_generations", "max_new_tokens", "min_new_tokens", "temperature"),
     "objective": ("beta", "kl_estimator", "epsilon", "epsilon_high", "loss_type", "importance_sampling_level",
@@ -163,23 +141,16 @@ STEP_NUMBERS = {
 
 
 def step_numbers(cfg, derived):
-    """One block: every number of a step under its section, a * on each default filled in from other flags
-    (derived: {flag: (value, why)}), and why for each of those, ref_url's included."""
+    """One block: every number of a step by section, a * on each default filled in from other flags (derived:
+    {flag: (value, why)}), and why for each of those."""
     def shown(value):
         return f"{value:g}" if isinstance(value, float) else str(value)
-    flags = {f.name for f in dataclasses.fields(cfg)}
+    flags = {f.name for f in dataclasses.fields(cfg)}  # grpo_train.py has no generation worker's flags
     lines = ["one step's numbers (* filled in from other flags; runs/RUN_NAME/config.json holds every flag):"]
     for section, names in STEP_NUMBERS.items():
-        values = [f"{name} {shown(getattr(cfg, name))}{'*' if name in derived else ''}"
-                  for name in names if name in flags]  # grpo_train.py has no generation worker's flags
-        indent, line = f"  {section + ':':<14}", ""
-        for value in values:  # whole values, as many as fit in a line of about 110 characters
-            if line and len(line) + len(value) > 92:
-                lines.append(f"{indent}{line},")
-                indent, line = " " * 16, ""
-            line += (", " if line else "") + value
-        if line:
-            lines.append(indent + line)
+        values = [f"{name}={shown(getattr(cfg, name))}{'*' * (name in derived)}" for name in names if name in flags]
+        lines += textwrap.wrap(", ".join(values), 110, initial_indent=f"  {section + ':':<14}",
+                               subsequent_indent=" " * 16, break_on_hyphens=False)
     lines += [f"  * {name} {shown(value)}: {why}" for name, (value, why) in derived.items()]
     return "\n".join(lines)
 
@@ -235,12 +206,6 @@ def default_ref_url(cfg):
     if cfg.beta == 0:
         return DEFAULT_REF_URL, "the default, unused: --beta 0 has no KL term, so no reference server is asked"
     return DEFAULT_REF_URL, f"the default reference server (python ref_server.py), for --beta {cfg.beta:g}'s KL term"
-
-
-def first_process():
-    """Whether this is rank 0's trainer process, where start-up lines print once (not the other ranks,
-    not grpo_vllm_one.py's generation workers, which run check_options again)."""
-    return os.environ.get("RANK", "0") == "0" and multiprocessing.parent_process() is None
 
 
 def default_lr(model):

@@ -15,9 +15,8 @@ def setup_distributed():
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "0"}.items():
         os.environ.setdefault(key, value)
-    # keep DeepSpeed's compiled ops between runs (the first build takes about a minute)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(root, ".cache", "torch_extensions"))
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(root, ".cache", "torch_extensions"))  # built ops kept
     clear_stale_build_locks(os.environ["TORCH_EXTENSIONS_DIR"])
 
 

@@ -343,8 +343,7 @@ def plan_json(plan):
 
 
 def show_plan(cfg):
-    """The memory plan from the model's config, before any weight is loaded.
-    --plan prints it and stops; on a GPU, a run that cannot fit stops here with the plan."""
+    """--plan: print the memory plan and stop. On a GPU, before any weight is loaded: stop a run that cannot fit."""
     import torch
     if not (cfg.plan or torch.cuda.is_available()):
         return

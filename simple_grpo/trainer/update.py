@@ -73,14 +73,12 @@ def grpo_update(engine, batch, cfg):
     --tis_cap), or with --tis_cap 0 are pi_old. num_iterations > 1 takes several steps on the same rollouts (PPO's
     epochs): from the second on the ratio moves off 1 and the clip bounds the update. With micro_batch_groups the
     passes' gradients add up to the whole batch's, for one optimizer step."""
-    # checkpointing (--gradient_checkpointing) and dropout act only in training mode; from_pretrained leaves eval
-    engine.train()
+    engine.train()  # checkpointing and dropout act only in training mode (from_pretrained leaves evaluation mode)
     batch = {k: v.to(engine.device) for k, v in batch.items()}
     loss_mask = batch["loss_mask"]  # (B, C)
     G, parts = micro_batches(batch, cfg)
-    # every rank runs as many passes as the rank with the most parts: ZeRO-2/3 communicate in each pass, and ranks
-    # that run different numbers of passes wait for each other forever. A rank with fewer parts (with
-    # --micro_batch_groups) runs its first part again with a gradient of weight 0
+    # every rank runs as many passes as the rank with the most parts (ZeRO-2/3 communicate in each pass: ranks with
+    # different numbers wait for each other forever); one with fewer reruns its first part with a gradient of 0
     passes = int(max_over_ranks(len(parts)))
     # every pass divides its loss by the whole batch's count, over every rank (grpo_math.loss_denominator), times
     # the world size: DeepSpeed averages the ranks' gradients, and that average is then the batch's gradient
