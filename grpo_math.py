@@ -177,8 +177,8 @@ def loss_denominator(loss_mask, loss_type="grpo", max_completion_length=None):
                          answer weighs more than one of a long answer)
       bnpo, dapo, cispo: completion tokens (every token weighs the same)
       dr_grpo:           sequences * max_completion_length (a constant: no length bias; Liu et al. 2025)
-    A trainer that splits the batch (micro-batches, ranks) divides every part's sum by the WHOLE batch's count:
-    then the parts' gradients add up to the whole batch's, whichever part a group lands in."""
+    A trainer that splits the batch divides every part's sum by the WHOLE batch's count: the parts' gradients
+    then add up to the whole batch's, whichever part a group lands in."""
     if loss_type == "grpo":
         return loss_mask.size(0)
     if loss_type in ("bnpo", "dapo", "cispo"):
@@ -217,8 +217,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, loss_mask, *, beta=0.04, 
     base. ref_logps may be None when beta == 0. sampler_logps: the log-probs of another engine that sampled
     (vLLM); then each token's policy-gradient term is weighted by capped_is_weight(old_logps, sampler_logps,
     tis_cap). denominator: the whole batch's loss_denominator when these rows are a part of it (aggregate).
-    impl="triton" computes the clipped token-level k3 loss in one fused kernel (triton_loss/), the same numbers;
-    the other options take the torch path."""
+    impl="triton": the clipped token-level k3 loss in one fused kernel (triton_loss/), the same numbers."""
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     # a masked position may hold anything (a padding token's log-prob can be -inf: k3's exp(ref - logp) is then
     # inf, and inf x 0, the mask, NaN). Every input is 0 there, so no masked position reaches the loss or gradient

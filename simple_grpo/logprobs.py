@@ -8,10 +8,9 @@ from simple_grpo.devices import auto_device, auto_dtype
 
 
 class ChunkedLogProbs(torch.autograd.Function):
-    """log softmax(logits / T)[token_ids] and its gradient, a few rows at a time: float32 temporaries of one
-    chunk, not (N, V). Forward keeps one logsumexp per token; backward recomputes the softmax chunk by chunk,
-    d logp_t / d logit_v = (1[v = t] - softmax_v) / T, written over the logits where they are a tensor of their
-    own that autograd made (sequence_logps' torch.cat, which nothing else reads in backward)."""
+    """log softmax(logits / T)[token_ids] and its gradient, a chunk of rows at a time (float32 temporaries of one
+    chunk, not (N, V)). Backward recomputes the softmax from the saved logsumexp, d logp_t / d logit_v =
+    (1[v = t] - softmax_v) / T, written over the logits where autograd made them whole (sequence_logps' cat)."""
 
     @staticmethod
     def forward(ctx, logits, token_ids, temperature, chunk_rows):

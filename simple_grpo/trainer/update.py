@@ -65,14 +65,11 @@ def reference_logps(engine, batch, cfg):
 
 
 def grpo_update(engine, batch, cfg):
-    """The GRPO update on one collated batch: (the stats, the last iteration's per-token log-probs (B, C)).
-    batch["loss_mask"] (B, C): the completion tokens the loss counts (grpo_math.completion_mask).
-
-    pi_old, the ratio's base, is the trainer's own log-probs at the first iteration (ratio 1 there). Where vLLM
-    sampled the batch (batch["sampler_logps"]), its log-probs weight each token (capped importance sampling,
-    --tis_cap), or with --tis_cap 0 are pi_old. num_iterations > 1 takes several steps on the same rollouts (PPO's
-    epochs): from the second on the ratio moves off 1 and the clip bounds the update. With micro_batch_groups the
-    passes' gradients add up to the whole batch's, for one optimizer step."""
+    """The GRPO update on one collated batch (batch["loss_mask"] (B, C): the tokens the loss counts): the stats,
+    and the last iteration's per-token log-probs (B, C). pi_old, the ratio's base, is the trainer's own log-probs
+    at the first iteration (ratio 1 there). vLLM's batch["sampler_logps"] weight each token (capped importance
+    sampling, --tis_cap), or with --tis_cap 0 are pi_old. num_iterations > 1 takes several steps on the same
+    rollouts (PPO's epochs): from the second on the ratio moves off 1 and the clip bounds the update."""
     engine.train()  # checkpointing and dropout act only in training mode (from_pretrained leaves evaluation mode)
     batch = {k: v.to(engine.device) for k, v in batch.items()}
     loss_mask = batch["loss_mask"]  # (B, C)
