@@ -56,9 +56,8 @@ from simple_grpo.rollouts import correct_rows, rollout_stats, score_groups
 from simple_grpo.run.checkpoints import check_run_dir, open_run, save_checkpoint
 from simple_grpo.run.completions_log import log_batch_completions
 from simple_grpo.run.doctor import RunDoctor, batch_summary
-from simple_grpo.run.metrics import Tracker, log_step
+from simple_grpo.run.metrics import Tracker, finish_run, log_step
 from simple_grpo.run.preflight import preflight
-from simple_grpo.run.report import finish_run
 from simple_grpo.task.config import load_data
 from simple_grpo.task.problems import make_prompt, stop_token_ids
 from simple_grpo.task.rewards import parse_reward_spec, pick_accuracy_reward
@@ -105,7 +104,8 @@ def main(cfg: Config):
         rng.setstate(state["data_rng"])
     run_id, Q, G = uuid.uuid4().hex, cfg.batch_prompts, cfg.num_generations  # run_id: our groups in the server
     stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)  # EOS, and the chat template's turn end
-    doctor, tracker = RunDoctor(cfg, metrics_path), Tracker(cfg, run_dir)  # plain-language warnings; --report_to
+    doctor = RunDoctor(cfg, metrics_path)  # plain-language warnings (run/doctor.py)
+    tracker = Tracker(cfg, run_dir) if cfg.report_to != "none" else None  # --report_to tensorboard/wandb
 
     def waiting(group, waited_s):
         bar.set_description_str(f"waiting for the ref server's log-probs: group {group + 1} ({waited_s:.0f} s, "

@@ -61,9 +61,8 @@ from simple_grpo.rollouts import collate, correct_rows, make_groups, rollout_sta
 from simple_grpo.run.checkpoints import check_run_dir, open_run, save_checkpoint
 from simple_grpo.run.completions_log import log_batch_completions
 from simple_grpo.run.doctor import RunDoctor, batch_summary
-from simple_grpo.run.metrics import Tracker, log_step
+from simple_grpo.run.metrics import Tracker, finish_run, log_step
 from simple_grpo.run.preflight import preflight
-from simple_grpo.run.report import finish_run
 from simple_grpo.task.config import load_data
 from simple_grpo.task.problems import make_prompt, stop_token_ids
 from simple_grpo.task.rewards import extract_answer, parse_reward_spec, pick_accuracy_reward
@@ -198,7 +197,7 @@ def main(cfg: Config):
         stop_ids = stop_token_ids(tokenizer, cfg.prompt_format, cfg.model)  # the worker's, for the masks
         doctor = RunDoctor(cfg, metrics_path) if rank == 0 else None  # plain-language warnings (run/doctor.py)
         progress = WorkerProgress(workers[0][1].status, cfg, doctor) if workers else None  # generation/progress.py
-        tracker = Tracker(cfg, run_dir) if rank == 0 else None  # --report_to tensorboard/wandb
+        tracker = Tracker(cfg, run_dir) if rank == 0 and cfg.report_to != "none" else None  # tensorboard/wandb
         generated, draws = [0] * cfg.gen_workers, [0] * cfg.gen_workers  # per worker: completions made, problems drawn
         if state is not None:  # resuming: the workers take up the checkpoint's data position and weights
             draws = draws_to_resume(state, cfg.gen_workers)

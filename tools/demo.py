@@ -7,7 +7,7 @@
    base model, adapters off, is the reference);
 3. trains with grpo_train.py or grpo_vllm_one.py (--trainer) into runs/NAME, replacing an earlier
    demo run of that name (the trainer's --overwrite);
-4. evaluates the final checkpoint the same way (the trainer has written runs/NAME/report.html);
+4. evaluates the final checkpoint the same way, and writes runs/NAME/report.html (tools/view_run.py);
 5. prints both as a table and one last JSON line {"before": {...}, "after": {...}, "minutes": m}.
 The server and trainer are stopped at the end, on errors, on Ctrl-C and on SIGTERM.
 """
@@ -58,6 +58,7 @@ def main():
     finally:  # stop what we started; the trainer stops its own generation worker
         stop(trainer), stop(server)
     after = evaluate(os.path.join("runs", run_name, f"step_{args.steps}"), env)
+    subprocess.run([sys.executable, "tools/view_run.py", os.path.join("runs", run_name)], cwd=ROOT, env=env)
     keep = ("accuracy", "format_rate", "accuracy_in_format", "n")
     report = {"before": {k: before[k] for k in keep}, "after": {k: after[k] for k in keep},
               "minutes": round((time.time() - t0) / 60, 2)}

@@ -198,6 +198,7 @@ def main():
     run_child(commands["grpo"], env, "grpo_vllm_one.py")
     grpo_minutes = (time.time() - t_grpo) / 60
     after, grpo_steps = trained_checkpoint(run_dir)
+    run_child(["tools/view_run.py", run_dir], env, "tools/view_run.py")  # report.html
 
     print(f"\n== 5/6 the control: supervised training continued from before, {control_steps(grpo_steps)} steps "
           f"for GRPO's {grpo_steps} ({control_steps_derivation(grpo_steps)})", flush=True)

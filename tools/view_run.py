@@ -1,4 +1,4 @@
-"""A run's report.html, on demand (the trainers write it at the end of a run): simple_grpo/run/report.py's page.
+"""A run's report.html, during or after the run (make demo writes it at its end): simple_grpo/run/report.py's page.
 
     python tools/view_run.py runs/NAME                 # -> runs/NAME/report.html
     python tools/view_run.py runs/NAME --out r.html --completions_per_step 8 --steps_shown 20

@@ -1,4 +1,2 @@
-"""A run's outputs and guards: run directory and checkpoints (checkpoints.py), metrics.jsonl (metrics.py),
-completions.jsonl (completions_log.py), report.html (report.py), the run doctor (doctor.py), the pre-flight
-probe (probe.py; preflight.py runs it in a process of its own before training), the full-disk guard
-(disk_guard.py)."""
+"""A run's outputs and guards: its directory and checkpoints, metrics.jsonl and curves.png, completions.jsonl, the
+run doctor, the pre-flight probe, report.html (tools/view_run.py) and the full-disk guard."""

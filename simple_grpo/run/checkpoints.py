@@ -1,15 +1,9 @@
-"""A run's directory, checkpoints a kill cannot corrupt, and resuming from them (both trainers).
+"""A run's directory, checkpoints a kill cannot corrupt, and --resume (both trainers).
 
-runs/NAME/ holds config.json, metrics.jsonl and the checkpoints (open_run starts or resumes it). A
-directory an earlier run used is continued only with --resume and replaced only with --overwrite
-(check_run_dir, before anything loads): nothing is deleted unasked.
-
-runs/NAME/step_N/ holds the policy in HF format (load it with from_pretrained, evaluate it,
-serve it) and, in deepspeed/, what a resumed run needs: optimizer and scheduler states, the
-step, the random number generators and the data position. A checkpoint is written to
-step_N.tmp/ and renamed to step_N/ only when complete: a rename is atomic, so a kill leaves
-either the whole checkpoint or a .tmp/ that --resume ignores and removes. Only the latest
-checkpoint keeps its deepspeed/ state (the optimizer's moments are twice the model's size).
+runs/NAME/ holds config.json, metrics.jsonl and step_N/: the policy in HF format and, in deepspeed/, what --resume
+needs (optimizer, scheduler, step, RNGs, data position; only the latest checkpoint keeps it). A save is written to
+step_N.tmp/ and renamed to step_N/ when whole, so a kill leaves the whole checkpoint or a .tmp/ that the next start
+deletes. A used directory is continued only with --resume and replaced only with --overwrite.
 """
 import contextlib
 import json
@@ -50,9 +44,8 @@ def barrier():
 
 
 def save_checkpoint(engine, tokenizer, run_dir, step, state):
-    """runs/NAME/step_N/: the HF model (with LoRA: the adapters, in PEFT's format) and tokenizer, and in deepspeed/ the engine's full state
-    with `state` (the trainer's own: data position ...) and the RNG states. Every rank calls it.
-    A save the disk has no room for ends the run (disk_guard.py) with the last checkpoint whole."""
+    """runs/NAME/step_N/: the HF model (LoRA: the adapters) and tokenizer, and in deepspeed/ the engine's state, the
+    trainer's `state` and the RNGs. Every rank calls it; a full disk ends the run with the last checkpoint whole."""
     final = os.path.join(run_dir, f"step_{step}")
     tmp, rank0 = final + ".tmp", engine.global_rank == 0
     lora = hasattr(engine.module, "peft_config")  # step_N/ then holds the adapters (PEFT's format), not the model
@@ -128,45 +121,25 @@ def load_checkpoint(engine, run_dir):
     return int(path.rsplit("_", 1)[1]), client["trainer"]
 
 
-def remove_partial(run_dir):
-    """Delete step_N.tmp/ directories a killed save left behind."""
-    for d in os.listdir(run_dir):
-        if re.fullmatch(r"step_\d+\.tmp", d):
-            print(f"{run_dir}: removing {d}/, a checkpoint whose save was interrupted")
-            shutil.rmtree(os.path.join(run_dir, d))
-
-
 def keep_log_until(path, step):
-    """Keep a JSON-lines log's lines up to `step` (0: none). Steps after a checkpoint are run again
-    on --resume, and a line cut short by a kill is dropped."""
-    rows = []
-    if step > 0 and os.path.exists(path):
+    """Keep a JSON-lines log's whole lines of steps up to `step`: --resume runs the steps after it again."""
+    if os.path.exists(path):
         with open(path) as f:
             rows = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= step]
-    if rows or os.path.exists(path):
         with open(path, "w") as f:
             f.writelines(rows)
 
 
-def earlier_run(run_dir):
-    """What an earlier run left in run_dir: its checkpoints (whole or partial) and a metrics log
-    with lines, as a short description; "" when there is none (a run that stopped before step 1)."""
-    if not os.path.isdir(run_dir):
-        return ""
-    steps = sorted(d for d in os.listdir(run_dir) if re.fullmatch(r"step_\d+(\.tmp)?", d))
-    metrics = os.path.join(run_dir, "metrics.jsonl")
-    logged = os.path.isfile(metrics) and os.path.getsize(metrics) > 0
-    parts = ([f"{len(steps)} checkpoint(s) up to {steps[-1]}"] if steps else []) + (["metrics.jsonl"] if logged else [])
-    return " and ".join(parts)
-
-
 def check_run_dir(cfg):
-    """Before anything loads: a run directory in use is continued (--resume) or replaced
-    (--overwrite), never deleted unasked."""
-    run_dir = os.path.join("runs", cfg.run_name)
+    """Before anything loads: a runs/RUN_NAME/ with checkpoints (whole or partial) or logged lines is continued
+    with --resume or replaced with --overwrite, never deleted unasked."""
+    run_dir, metrics = os.path.join("runs", cfg.run_name), os.path.join("runs", cfg.run_name, "metrics.jsonl")
     if cfg.resume and cfg.overwrite:
         raise SystemExit("--resume continues runs/RUN_NAME, --overwrite deletes it: give one of them")
-    found = earlier_run(run_dir)
+    saves = sorted((d for d in os.listdir(run_dir) if re.fullmatch(r"step_\d+(\.tmp)?", d)),
+                   key=lambda d: int(re.sub(r"\D", "", d))) if os.path.isdir(run_dir) else []
+    found = " and ".join(([f"{len(saves)} checkpoint(s) up to {saves[-1]}"] if saves else []) +
+                         (["metrics.jsonl"] if os.path.isfile(metrics) and os.path.getsize(metrics) else []))
     if cfg.resume and not found:
         raise SystemExit(f"--resume: no checkpoint to resume from in {run_dir}/ (no earlier run used it); "
                          f"start without --resume")
@@ -176,27 +149,27 @@ def check_run_dir(cfg):
 
 
 def open_run(cfg, engine):
-    """runs/RUN_NAME/ with this config and its metrics.jsonl (and completions.jsonl): a new run starts
-    them afresh; with --resume, the latest checkpoint is loaded into the engine and the logs are kept
-    up to its step. Returns (run_dir, metrics_path, first step to run, the trainer state saved)."""
-    run_dir = os.path.join("runs", cfg.run_name)
-    os.makedirs(run_dir, exist_ok=True)
-    metrics_path, first_step, state = os.path.join(run_dir, "metrics.jsonl"), 1, None
-    rank0 = engine.global_rank == 0  # several ranks share run_dir: rank 0 alone changes it
+    """runs/RUN_NAME/ with this config.json: a new run starts its logs empty; --resume loads the latest checkpoint
+    into the engine and keeps the logs up to its step. Returns (run_dir, metrics_path, first step, saved state)."""
+    run_dir, first_step, state = os.path.join("runs", cfg.run_name), 1, None
+    metrics_path, rank0 = os.path.join(run_dir, "metrics.jsonl"), engine.global_rank == 0  # rank 0 alone writes
     if rank0:
-        remove_partial(run_dir)
+        check_run_dir(cfg)  # again: another run may have begun in it since
+        os.makedirs(run_dir, exist_ok=True)
+        for d in os.listdir(run_dir):
+            if re.fullmatch(r"step_\d+\.tmp", d):
+                print(f"{run_dir}: removing {d}/, a checkpoint whose save was interrupted")
+                shutil.rmtree(os.path.join(run_dir, d))
+        earlier = [d for d in os.listdir(run_dir) if d.startswith("step_")] if cfg.overwrite else []
+        if earlier:
+            print(f"{run_dir}: --overwrite: deleting the earlier run's {len(earlier)} checkpoint(s) and logs")
+        for d in earlier:
+            shutil.rmtree(os.path.join(run_dir, d))
     barrier()
     if cfg.resume:
         done, state = load_checkpoint(engine, run_dir)
         first_step = done + 1
         print(f"{run_dir}: resuming after step {done}")
-    elif rank0 and earlier_run(run_dir):
-        if not cfg.overwrite:  # check_run_dir said so before the model loaded; another run may have begun since
-            check_run_dir(cfg)
-        stale = sorted(d for d in os.listdir(run_dir) if d.startswith("step_"))
-        print(f"{run_dir}: --overwrite: deleting the earlier run's {len(stale)} checkpoint(s) and logs")
-        for d in stale:
-            shutil.rmtree(os.path.join(run_dir, d))
     if rank0:
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump(asdict(cfg), f, indent=1)

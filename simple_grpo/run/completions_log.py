@@ -1,24 +1,15 @@
-"""Logged completions: runs/NAME/completions.jsonl, the token-level record tools/view_run.py shows.
+"""runs/NAME/completions.jsonl: every --log_completions_every N steps, a few trained completions, token by token
+(tools/view_run.py shows them). One JSON object per line:
 
-A trainer run with `--log_completions_every N` appends, every N steps, a few completions
-(one JSON object per line):
+    {"step": 40, "prompt": "...",                    # the prompt text, chat template applied
+     "completion": "...", "reward": 1.5,             # the decoded completion, its weighted reward
+     "rewards": {"correctness": 1.0, "format": 1.0}, "advantage": 0.93,
+     "tokens": ["<think>", " 3", ...],               # each decoded on its own, up to and including the stop token
+     "logps": [...], "sampler_logps": [...], "ratio": [...]}  # per token (or null): the trainer's log-prob,
+                                                     # the sampler's (vLLM's), exp(logps - sampler_logps)
 
-    {"step": 40,                     # the trainer step that sampled them
-     "prompt": "...",                # the prompt text, chat template applied
-     "completion": "...",            # the decoded completion, as the rewards scored it
-     "reward": 1.5,                  # the weighted sum the advantage is formed from
-     "rewards": {"correctness": 1.0, "format": 1.0},   # each reward function's own value
-     "advantage": 0.93,              # the completion's group-relative advantage
-     "tokens": ["<think>", " 3", ...],   # the completion's tokens, each decoded on its own
-     "logps": [-0.12, ...] or null,      # the trainer's log-prob of each token
-     "sampler_logps": [-0.13, ...] or null,  # the sampler's (vLLM's) log-prob of each token
-     "ratio": [1.01, ...] or null}       # each token's importance ratio exp(logp - old_logp)
-
-The per-token lists are as long as "tokens" (the completion up to and including its stop
-token). The trainers log a trained batch with log_batch_completions; any other producer (tools/probe.py)
-builds rows with completion_rows and writes them with log_completions.
-
-Completions are model output: treat them as untrusted text wherever they are shown.
+The trainers call log_batch_completions; tools/probe.py builds rows with completion_rows and writes them with
+log_completions. Completions are model output: untrusted text wherever they are shown.
 """
 import json
 import math

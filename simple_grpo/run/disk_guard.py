@@ -1,8 +1,6 @@
-"""A full disk, told apart from other write errors and named in plain words (checkpoints.py, the logs).
-
-torch.save on a full disk raises RuntimeError("... unexpected pos ...") with no errno, so a failed
-write counts as "disk full" when the error says ENOSPC/EDQUOT or the disk has less room left than
-the write needed.
+"""A full disk, told apart from other write errors and named in plain words. torch.save on a full disk raises
+RuntimeError("... unexpected pos ...") with no errno: a write error counts as a full disk when it says ENOSPC/EDQUOT
+or the disk has less room left than the write needed.
 """
 import errno
 import os

@@ -1,15 +1,8 @@
-"""The run doctor: warnings in plain words when a run looks alive but is not learning.
-
-GRPO's failures are quiet: the loss stays near 0 whatever happens, and a run with no reward signal,
-a policy far from its reference or a sampler that disagrees with the trainer still prints steps.
-The doctor reads what the trainers log (every generated batch, and every step's record) and says
-what is wrong, the likely cause, and what to try. Each rule speaks once when its condition starts
-(and again only after it has cleared), on the console and as a line in metrics.jsonl:
-
-    {"step": 12, "warning": "kl", "message": "KL 239 after 1 update: ..."}
-
-RULES names them; the thresholds are the trainers' --doctor_* flags. With --stop_on RULES
-(e.g. no_signal,kl) a rule that fires stops the run with a non-zero exit and its message.
+"""The run doctor: warnings in plain words when a run looks alive but is not learning (GRPO's failures are quiet:
+the loss stays near 0 whatever happens). It reads each generated batch and each step's record; a rule speaks once
+when its condition starts (again only after it has cleared), on the console and as a line in metrics.jsonl:
+{"step": 12, "warning": "kl", "message": ...}. The thresholds are the --doctor_* flags; with --stop_on RULES
+(e.g. no_signal,kl) a rule that fires stops the run with its message.
 """
 import json
 from collections import Counter
@@ -20,27 +13,14 @@ from simple_grpo.generation.vllm_sampler import NO_LOGP
 from simple_grpo.run.disk_guard import append_lines
 from simple_grpo.run.metrics import is_number
 
-RULES = {
-    "no_signal": "doctor_window batches in a row with no group whose rewards differ (GRPO learns nothing)",
-    "kl": "KL to the reference above doctor_kl_max, or above 1 and doctor_kl_jump times its recent mean",
-    "entropy": "mean token entropy of the last doctor_window steps below doctor_entropy_drop of the first steps'",
-    "truncated": "more than doctor_truncated_max of the last doctor_window steps' completions cut off",
-    "mismatch": "sampler (vLLM) vs trainer log-prob gap above doctor_gap_max per token (grpo_vllm_one)",
-    "ratio": "mean importance ratio pi/pi_old of the last doctor_window steps off 1 by more than doctor_ratio_band",
-}
-
-
+RULES = ("no_signal", "kl", "entropy", "truncated", "mismatch", "ratio")  # each one's --doctor_* flags say when
 GAP_OUTLIER = 1.0  # nats: a token whose sampler and trainer log-probs differ by more is no precision noise
-# (the gaps measured in bf16, on the CPU and on GPUs: docs/gpu_notes.md, "Sampler and trainer disagree a little")
 
 
 def sampler_gap_details(completion_ids, loss_mask, trainer_logps, sampler_logps):
-    """What the mismatch rule reads, from one batch's kept tokens: the mean gap per kept token and the largest,
-    how many completions hold a token whose log-probs differ by more than GAP_OUTLIER, the largest gap's token
-    id, position and both log-probs, all over the tokens vLLM gave a log-prob for; and how many kept tokens it
-    gave none for (NO_LOGP, its padding past the end of a completion: tokens it never sampled, so the trainer's
-    mask runs past where vLLM stopped). A log-prob of 0.0 is vLLM's for a token it is sure of, not padding.
-    (B, C) each."""
+    """What the mismatch rule reads, over one batch's kept tokens that vLLM gave a log-prob for: the mean and largest
+    gap, the completions with a gap above GAP_OUTLIER, the largest gap's token, position and log-probs; and the kept
+    tokens vLLM gave none for (NO_LOGP, its padding; 0.0 is a token it is sure of). Each argument (B, C)."""
     kept = loss_mask.bool()
     unreported = kept & (sampler_logps == NO_LOGP)
     gap = ((trainer_logps - sampler_logps).abs()).masked_fill(~kept | unreported, 0.0)
@@ -62,9 +42,8 @@ def parse_stop_on(text):
 
 
 def batch_summary(rewards, scores, texts, has_signal):
-    """What the doctor needs of one generated batch, trained or dropped: small, JSON-safe (it crosses
-    processes). rewards (Q*G,); scores [Q*G] dicts from task/rewards.py's score; texts [Q*G];
-    has_signal (Q,)."""
+    """One batch's figures for the doctor, JSON-safe (it crosses processes). rewards (Q*G,); scores [Q*G] dicts
+    (task/rewards.py's score); texts [Q*G]; has_signal (Q,)."""
     return {"groups": len(has_signal), "groups_with_signal": int(has_signal.sum()),
             "rewards": [round(r, 3) for r in rewards.tolist()],
             "sample": {"completion": texts[0], "scores": scores[0]}}
@@ -80,8 +59,8 @@ def shorten(text, n=160):
 
 
 class RunDoctor:
-    """Watches one run (the trainer's rank 0). batch() takes each generated batch's batch_summary,
-    step() each logged step record; both return the message of a --stop_on rule that fired, else None."""
+    """Watches one run (the trainer's rank 0): batch() takes each batch_summary, step() each step record; both
+    return the message of a --stop_on rule that fired, else None."""
 
     def __init__(self, cfg, metrics_path):
         self.cfg, self.metrics_path = cfg, metrics_path
@@ -90,13 +69,11 @@ class RunDoctor:
         self.silent = []  # the summaries of the latest batches in a row with no group with signal
         self.rows = []  # the step records so far
 
-    # ------------------------------------------------------------------------ the rules
     def batch(self, summary, step):
-        """no_signal: a batch where every group's rewards are all alike teaches nothing; many in a row
-        mean the model never earns the reward, or all its answers score the same."""
+        """no_signal: a batch whose groups' rewards are each all alike teaches nothing."""
         self.silent = [] if summary["groups_with_signal"] else (self.silent + [summary])[-self.cfg.doctor_window:]
         firing = len(self.silent) >= self.cfg.doctor_window
-        return self.report("no_signal", firing, step, lambda: self.no_signal_message())
+        return self.report("no_signal", firing, step, self.no_signal_message)
 
     def no_signal_message(self):
         rewards = [r for s in self.silent for r in s["rewards"]]
@@ -113,49 +90,49 @@ class RunDoctor:
                 "--reward_file, or raise --num_generations/--temperature")
 
     def step(self, record):
-        cfg, step = self.cfg, record["step"]
+        """The other rules, on the step records so far. A step with no update logs kl and ratio_mean as None (not
+        measured): it is left out of their means, and a rule with nothing measured keeps its state."""
+        cfg, step, window = self.cfg, record["step"], self.cfg.doctor_window
         self.rows.append(record)
-        recent = self.rows[-cfg.doctor_window:]
-        first = self.rows[:cfg.doctor_window]
-
-        # a step with no update logs kl and ratio_mean as None (not measured): it is left out of the means, and a
-        # rule with nothing measured keeps its state
-        stops, kl = [], record.get("kl", 0.0)
+        recent, stops, kl = self.rows[-window:], [], record.get("kl", 0.0)
         if is_number(kl):
-            before = [r["kl"] for r in self.rows[-cfg.doctor_window - 1:-1] if is_number(r.get("kl", 0.0))]
+            before = [r["kl"] for r in self.rows[-window - 1:-1] if is_number(r.get("kl", 0.0))]
             jumped = kl > 1.0 and before and kl > cfg.doctor_kl_jump * mean(before)
             stops.append(self.report("kl", kl > cfg.doctor_kl_max or jumped, step,
                                      lambda: self.kl_message(kl, mean(before))))
-
         entropies = [r["entropy"] for r in self.rows if "entropy" in r]
-        start, now = mean(entropies[:cfg.doctor_window]), mean(entropies[-cfg.doctor_window:])
-        collapsing = len(entropies) >= 2 * cfg.doctor_window and now < cfg.doctor_entropy_drop * start
-        stops.append(self.report("entropy", collapsing, step, lambda: (
-            f"policy entropy fell to {now:.3g} nats per token, {now / start:.0%} of its {start:.3g} over the first "
-            f"{len(first)} steps: the policy is collapsing onto a few answers, exploration ends and groups turn "
-            "all-alike. Try a lower --lr, a higher --beta or --temperature, or clip-higher (--epsilon_high 0.28)")))
-
+        start, now = mean(entropies[:window]), mean(entropies[-window:])
+        collapsing = len(entropies) >= 2 * window and now < cfg.doctor_entropy_drop * start
+        stops.append(self.report("entropy", collapsing, step, lambda: self.entropy_message(start, now)))
         cut = mean([r.get("truncated_frac", 0.0) for r in recent])
-        stops.append(self.report("truncated", len(recent) == cfg.doctor_window and cut > cfg.doctor_truncated_max,
-                                   step, lambda: (
-            f"{cut:.0%} of the completions of the last {len(recent)} steps hit --max_new_tokens "
-            f"{cfg.max_new_tokens} without a stop token: their answers are cut off and scored unfinished. Raise "
-            "--max_new_tokens, or reward shorter answers; --mask_truncated_completions keeps them out of the loss")))
-
+        stops.append(self.report("truncated", len(recent) == window and cut > cfg.doctor_truncated_max, step,
+                                 lambda: self.truncated_message(cut)))
         gaps = [r["sampler_gap_mean"] for r in recent if "sampler_gap_mean" in r]
-        gap, unreported = mean(gaps), record.get("sampler_gap_unreported", 0)
-        stops.append(self.report("mismatch", bool(gaps) and gap > cfg.doctor_gap_max or unreported > 0, step,
-                                 lambda: self.mismatch_message(record, gaps)))
-
+        mismatch = bool(gaps) and mean(gaps) > cfg.doctor_gap_max or record.get("sampler_gap_unreported", 0) > 0
+        stops.append(self.report("mismatch", mismatch, step, lambda: self.mismatch_message(record, gaps)))
         if is_number(record.get("ratio_mean", 1.0)):
             ratios = [r.get("ratio_mean", 1.0) for r in recent if is_number(r.get("ratio_mean", 1.0))]
-            ratio = mean(ratios)
-            stops.append(self.report("ratio", abs(ratio - 1) > cfg.doctor_ratio_band, step, lambda: (
-                f"the importance ratio pi/pi_old averaged {ratio:.3g} over the last {len(ratios)} updates (this step: "
-                f"min {record.get('ratio_min', 1.0):.3g}, max {record.get('ratio_max', 1.0):.3g}): the policy moves far "
-                "from the one that sampled within a step, and the clip discards much of the gradient. Lower --lr or "
-                "--num_iterations; with vLLM, --max_policy_lag 0")))
+            stops.append(self.report("ratio", abs(mean(ratios) - 1) > cfg.doctor_ratio_band, step,
+                                     lambda: self.ratio_message(record, ratios)))
         return next((stop for stop in stops if stop), None)
+
+    def entropy_message(self, start, now):
+        return (f"policy entropy fell to {now:.3g} nats per token, {now / start:.0%} of its {start:.3g} over the "
+                f"first {self.cfg.doctor_window} steps: the policy is collapsing onto a few answers, exploration ends "
+                "and groups turn all-alike. Try a lower --lr, a higher --beta or --temperature, or clip-higher "
+                "(--epsilon_high 0.28)")
+
+    def truncated_message(self, cut):
+        return (f"{cut:.0%} of the completions of the last {self.cfg.doctor_window} steps hit --max_new_tokens "
+                f"{self.cfg.max_new_tokens} without a stop token: their answers are cut off and scored unfinished. "
+                "Raise --max_new_tokens, or reward shorter answers; --mask_truncated_completions keeps them out of "
+                "the loss")
+
+    def ratio_message(self, record, ratios):
+        return (f"the importance ratio pi/pi_old averaged {mean(ratios):.3g} over the last {len(ratios)} updates "
+                f"(this step: min {record.get('ratio_min', 1.0):.3g}, max {record.get('ratio_max', 1.0):.3g}): the "
+                "policy moves far from the one that sampled within a step, and the clip discards much of the "
+                "gradient. Lower --lr or --num_iterations; with vLLM, --max_policy_lag 0")
 
     def mismatch_message(self, record, gaps):
         """What the sampler and the trainer disagree on: the window's mean gap, this step's completions with an
@@ -191,7 +168,6 @@ class RunDoctor:
         return (f"KL to the reference is {kl:.3g} (> --doctor_kl_max {cfg.doctor_kl_max:g}): the policy has drifted "
                 "far from the reference and may be exploiting the reward. Lower --lr, or raise --beta")
 
-    # ------------------------------------------------------------------------ speaking
     def report(self, rule, firing, step, message):
         """Speak when `rule` starts firing; returns the stop message if it is a --stop_on rule."""
         if not firing:

@@ -1,8 +1,8 @@
-"""The run's log: one JSON line per step in runs/NAME/metrics.jsonl, and the curves drawn from it
-(report.py writes them to curves.png and report.html). --report_to also sends each step to TensorBoard or W&B.
-
-metrics.jsonl holds step records ({"step": 3, "reward_mean": ...}) and the run doctor's warnings
-({"step": 3, "warning": "kl", "message": ...}, doctor.py); readers tell them apart by "warning"."""
+"""The run's log: one JSON line per step in runs/NAME/metrics.jsonl, with the run doctor's warnings among them
+({"step": 3, "warning": "kl", "message": ...}: readers tell them apart by "warning"), and curves.png drawn from it
+at the end. --report_to also sends each step to TensorBoard or W&B."""
+import dataclasses
+import importlib.util
 import io
 import json
 import math
@@ -13,50 +13,47 @@ from tqdm import tqdm
 
 from simple_grpo.run.disk_guard import append_lines
 
-# what curves.png shows, 2 rows of 4; report.html shows more (report.CURVE_KEYS)
+# curves.png's panels, 2 rows of 4 (tools/view_run.py's page shows more)
 CURVES = ["reward_mean", "accuracy", "format_rate", "kl", "completion_len", "zero_var_frac", "entropy",
           "truncated_frac"]
-TRACKERS = {"tensorboard": ("tensorboard", "pip install tensorboard"), "wandb": ("wandb", "pip install wandb")}
+TRACKERS = ("tensorboard", "wandb")  # --report_to's choices but none; each is its pip package's name too
 
 
 class Tracker:
-    """--report_to: none, tensorboard (runs/NAME/tensorboard/) or wandb (project simple_grpo, the run's name)."""
+    """--report_to tensorboard (runs/NAME/tensorboard/) or wandb (project simple_grpo, the run's name)."""
 
     @staticmethod
     def check(report_to):
-        """Fail before the slow start-up when the tracker's package is missing, saying what to install."""
-        if report_to == "none":
-            return
-        if report_to not in TRACKERS:
+        """Fail before the slow start-up when --report_to is unknown or its package is missing."""
+        if report_to != "none" and report_to not in TRACKERS:
             raise SystemExit(f"unknown --report_to {report_to!r}: use none, tensorboard or wandb")
-        package, install = TRACKERS[report_to]
-        import importlib.util
-        if importlib.util.find_spec(package) is None:
-            raise SystemExit(f"--report_to {report_to} needs the {package} package: {install} (or --report_to none)")
+        if report_to != "none" and importlib.util.find_spec(report_to) is None:
+            raise SystemExit(f"--report_to {report_to} needs the {report_to} package: pip install {report_to} "
+                             "(or --report_to none)")
 
     def __init__(self, cfg, run_dir):
-        self.check(cfg.report_to)
-        self.kind, self.writer = cfg.report_to, None
+        self.kind = cfg.report_to
         if self.kind == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
         elif self.kind == "wandb":
-            import dataclasses
             import wandb
             self.writer = wandb.init(project="simple_grpo", name=cfg.run_name, config=dataclasses.asdict(cfg))
+        else:
+            raise ValueError(f"no tracker for --report_to {self.kind!r}")
 
     def log(self, record):
         numbers = {k: v for k, v in record.items() if k != "step" and is_number(v)}
         if self.kind == "tensorboard":
             for key, value in numbers.items():
                 self.writer.add_scalar(key, value, record["step"])
-        elif self.kind == "wandb":
+        else:
             self.writer.log(numbers, step=record["step"])
 
     def close(self):
         if self.kind == "tensorboard":
             self.writer.close()
-        elif self.kind == "wandb":
+        else:
             self.writer.finish()
 
 
@@ -65,8 +62,8 @@ def is_number(value):
 
 
 def add_part_stats(stats, part, share):
-    """Fold one micro-batch's diagnostics into the step's: *_min and *_max keep the extremes, the rest
-    are token means, weighted by the part's share of the step's tokens."""
+    """Fold one micro-batch's diagnostics into the step's: *_min and *_max keep the extremes, the rest are token
+    means, weighted by the part's share of the step's tokens."""
     for key, value in part.items():
         if key.endswith("_max"):
             stats[key] = max(stats.get(key, value), value)
@@ -76,18 +73,17 @@ def add_part_stats(stats, part, share):
             stats[key] = stats.get(key, 0.0) + value * share
 
 
-# the figures of the largest sampler gap (doctor.sampler_gap_details): they come from the rank that holds it
+# the largest sampler gap's figures (doctor.sampler_gap_details): taken from the rank that holds it
 AT_LARGEST_GAP = ("sampler_gap_token", "sampler_gap_pos", "sampler_gap_sampler_logp", "sampler_gap_trainer_logp")
 
 
 def stats_over_ranks(stats):
-    """The whole batch's diagnostics from every rank's: *_max and *_min keep the extremes, the largest
-    sampler gap's figures come from the rank that holds it, and the rest add up (each rank's are its share
-    of the batch's token means, or its counts). One rank: stats as they are."""
+    """The whole batch's diagnostics from every rank's: *_max and *_min keep the extremes, AT_LARGEST_GAP comes
+    from the rank with the largest gap, the rest add up (each rank's share of a token mean, or its counts)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return stats
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, stats)  # a few numbers a rank, between this run's own processes
+    dist.all_gather_object(every, stats)
     merged = {}
     for key in stats:
         values = [s[key] for s in every]
@@ -103,8 +99,7 @@ def stats_over_ranks(stats):
 
 
 def significant(value, digits=6):
-    """value to `digits` significant digits: an lr of 1e-6 and a KL of 3e-7 keep theirs
-    (rounding to decimal places would log both as 0.0)."""
+    """value to `digits` significant digits, so that an lr of 1e-6 is not logged as 0.0."""
     return float(f"{value:.{digits}g}")
 
 
@@ -141,8 +136,8 @@ def running_mean(values, window):
 
 
 def curves_png(rows, keys, columns=4):
-    """One panel per key the rows hold (step records), raw values faint and a running mean bold (a tenth
-    of the steps, 1 to 20: one step is only 64 samples, noisy), as PNG bytes; None when none is logged."""
+    """One panel per key the step records hold, raw values faint and a running mean (over a tenth of the steps,
+    1 to 20) bold, as PNG bytes; None when none of the keys is logged."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -167,3 +162,17 @@ def curves_png(rows, keys, columns=4):
     fig.savefig(buffer, format="png", dpi=80)
     plt.close(fig)
     return buffer.getvalue()
+
+
+def finish_run(run_dir, last_step, rank, tracker=None):
+    """End of training: rank 0 closes the tracker and draws curves.png; every rank says where the results are."""
+    metrics_path, curves = os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "curves.png")
+    if rank == 0:
+        if tracker is not None:
+            tracker.close()
+        png = curves_png(read_metrics(metrics_path)[0], CURVES)
+        if png is not None:
+            with open(curves, "wb") as f:
+                f.write(png)
+    print(f"done: {run_dir}/step_{last_step} ({metrics_path}, {curves}); the run's page with its completions: "
+          f"python tools/view_run.py {run_dir}")

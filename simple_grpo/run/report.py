@@ -1,6 +1,5 @@
 """A run's report as one static HTML page: the run doctor's warnings, the curves, and the logged
-completions token by token. Written at the end of a run (finish_run, with curves.png), and on
-demand by tools/view_run.py.
+completions token by token. Written by tools/view_run.py (make demo runs it at the end of its run).
 
 Reads runs/NAME/metrics.jsonl (step records and the doctor's warnings, metrics.py), and, when present,
 runs/NAME/config.json (the run's flags) and runs/NAME/completions.jsonl (its format: completions_log.py;
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 
 from simple_grpo.run.completions_log import read_completions
 from simple_grpo.flags import flag
-from simple_grpo.run.metrics import CURVES, curves_png, is_number, read_metrics
+from simple_grpo.run.metrics import curves_png, is_number, read_metrics
 
 # the curves, in this order, whichever of them the run logged
 CURVE_KEYS = ["reward_mean", "accuracy", "format_rate", "kl", "completion_len", "zero_var_frac", "entropy",
@@ -243,18 +242,3 @@ def write_report(run_dir, out="", **options):
         f.write(page)
     print(f"wrote {out} ({len(page) / 1e3:.0f} kB)")
     return out
-
-
-def finish_run(run_dir, last_step, rank, tracker=None):
-    """End of training: rank 0 plots the curves and writes report.html; every rank says where the results are."""
-    metrics_path, curves = os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "curves.png")
-    if rank == 0:
-        if tracker is not None:
-            tracker.close()
-        rows, _ = read_metrics(metrics_path)
-        png = curves_png(rows, CURVES, columns=4)
-        if png is not None:
-            with open(curves, "wb") as f:
-                f.write(png)
-        write_report(run_dir)
-    print(f"done: {run_dir}/step_{last_step} ({metrics_path}, {curves}, {run_dir}/report.html)")
