@@ -4,10 +4,9 @@
     python ref_server.py --model Qwen/Qwen2.5-0.5B --port 59875 --device cuda:0
     SIMPLE_GRPO_TOKEN=secret python ref_server.py --host 0.0.0.0   # off loopback a token is needed (--ref_token)
 
-Generators POST groups of rollouts to /upload; a worker thread adds the reference model's per-token log-probs (for
-the KL term); trainers GET /get to take finished groups, oldest first. The trainer's device keeps its memory.
-Messages are safetensors bytes (simple_grpo/protocol.py), never pickle. Every upload is checked, the queues are
-bounded in groups and bytes (full: 503), and so are connections (simple_grpo/http_server.py); /stats counts.
+Generators POST groups of rollouts to /upload; a worker thread adds the reference model's per-token log-probs (the
+KL term's), and trainers GET /get the finished groups, oldest first: the trainer's device keeps its memory. Uploads are
+checked (simple_grpo/http_server.py), the queues bounded in groups and in bytes (full: 503); /stats counts.
 """
 import queue
 import sys

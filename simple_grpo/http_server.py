@@ -44,8 +44,7 @@ def add_token_check_and_health(app, cfg, stats):
 
 
 def read_rollout(cfg, model_config, stats):
-    """The uploaded group as (body size, tensors, meta), checked (its declared size before it is read); a 4xx
-    answer otherwise."""
+    """The uploaded group as (body size, tensors, meta), checked (its declared size before it is read), or a 4xx."""
     limit = cfg.max_body_mb * 2**20
     try:
         size = bottle.request.content_length  # -1: none declared
@@ -148,8 +147,7 @@ class QuietHandler(WSGIRequestHandler):
 
 
 def check_exposure(cfg):
-    """Before the model loads: cfg.token from $SIMPLE_GRPO_TOKEN where no --token is given, and an address beyond
-    loopback refused without one."""
+    """Before the model loads: the token (--token, else $SIMPLE_GRPO_TOKEN), needed for an address off loopback."""
     cfg.token = cfg.token or os.environ.get(TOKEN_ENV, "")
     try:
         loopback = cfg.host == "localhost" or ipaddress.ip_address(cfg.host).is_loopback

@@ -1,15 +1,12 @@
 """The wire between generators, the reference server and trainers: messages, their checks, the client calls, the
-check that the server holds the trainer's model, and the server's flags (ServerConfig).
-
-A message is safetensors bytes: named tensors plus a JSON dict in the header's metadata. safetensors parses only a
-JSON header and raw numbers, so bytes from the network cannot run code (unlike torch.load / pickle).
+check that the server holds the trainer's model, and the server's flags (ServerConfig). A message is safetensors
+bytes (tensors, and a JSON dict in the header): parsing them runs no code, unlike torch.load / pickle.
 """
 import glob
 import hashlib
 import json
 import math
 import os
-import re
 import time
 from dataclasses import dataclass
 
@@ -45,9 +42,9 @@ def decode(body: bytes):
 
 
 def check_rollout(tensors, meta, vocab_size, max_len, max_group_size):
-    """Raise ValueError naming the problem unless this is a well-formed group of rollouts: prompt_ids (P,) and
-    completion_ids (G, C), int64 ids in the vocabulary, P + C <= max_len; optional finite floats rewards and
-    advantages (G,) and sampler_logps (G, C); meta with an integer policy_version and a positive temperature."""
+    """ValueError naming the problem unless this is a well-formed group: prompt_ids (P,) and completion_ids (G, C)
+    int64 ids in the vocabulary, P + C <= max_len, optional finite float FLOAT_TENSORS; an int policy_version and
+    a positive temperature."""
     if not {"prompt_ids", "completion_ids"} <= set(tensors) <= {"prompt_ids", "completion_ids", *FLOAT_TENSORS}:
         raise ValueError(f"a group has prompt_ids, completion_ids and optionally {', '.join(FLOAT_TENSORS)}; "
                          f"got {sorted(tensors)[:8]}")
@@ -75,8 +72,7 @@ def check_rollout(tensors, meta, vocab_size, max_len, max_group_size):
 
 # ---------------------------------------------------------------------------- the client side
 def uses_ref_server(cfg):
-    """Whether a trainer talks to the reference server: for the KL term (with LoRA and no --ref_url the base
-    model, adapters off, is the reference), and for regrouping's pools."""
+    """Whether a trainer talks to the ref server: for the KL term (LoRA without --ref_url: its base), or to regroup."""
     return (cfg.beta != 0 and bool(cfg.ref_url)) or getattr(cfg, "regroup", False)
 
 
@@ -121,13 +117,9 @@ def post_groups(cfg, groups):
 
 
 def take_group(cfg, run_id, timeout, waiting=None, policy_version=None):
-    """The oldest finished group (tensors, meta) of this run, waiting for one; groups of another run are skipped.
-    waiting(waited_s) runs between polls (it may stop the wait); timeout: seconds before the run stops (None:
-    waiting keeps the deadline). policy_version: the trainer's, for the regrouping server."""
-    start = time.time()
-    params = {"wait": 2, "run_id": run_id}
-    if policy_version is not None:
-        params["policy_version"] = policy_version
+    """The oldest finished group (tensors, meta) of this run (another run's is skipped), polled for. waiting(waited_s)
+    runs between polls; after timeout seconds (None: waiting keeps the deadline) the run stops."""
+    start, params = time.time(), {"wait": 2, "run_id": run_id, "policy_version": policy_version}  # None: not sent
     while True:
         r = ref_request(cfg, "GET", "/get", params=params)
         if r.status_code == 200:
@@ -168,19 +160,14 @@ def reference_logps_from_server(cfg, run_id, prompt_ids, prompt_mask, completion
 
 # ---------------------------------------------------------------------------- which model the server holds
 def model_fingerprint(model):
-    """{tensor name: checksum} read from a model's safetensors files, the same in any dtype ({} without such
-    files): each tensor outside the layers and in the first and last layer, by its shape and its first, middle
-    and last rows (all of a 1-D tensor) rounded to bfloat16."""
+    """{tensor name: checksum} of a model's safetensors files ({} without any), the same in any dtype: a hash of
+    each tensor's shape and its first, middle and last rows (all of a 1-D tensor), rounded to bfloat16."""
     from huggingface_hub import snapshot_download
-    from transformers import AutoConfig
-    directory = model if os.path.isdir(model) else snapshot_download(model, allow_patterns=["*.json", "*.safetensors"])
-    last_layer = getattr(AutoConfig.from_pretrained(directory), "num_hidden_layers", 1) - 1
+    directory = model if os.path.isdir(model) else snapshot_download(model, allow_patterns=["*.safetensors"])
     sums = {}
     for path in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
-                if (layer := re.search(r"\.(\d+)\.", name)) and int(layer.group(1)) not in (0, last_layer):
-                    continue
                 tensor, shape = f.get_slice(name), f.get_slice(name).get_shape()
                 rows = [tensor[i:i + 1] for i in sorted({0, shape[0] // 2, shape[0] - 1})] if len(shape) > 1 \
                     else [f.get_tensor(name)]
@@ -225,8 +212,7 @@ class ServerConfig:
     host: str = flag("127.0.0.1", "the address to listen on: loopback only unless told otherwise")
     token: str = flag("", "shared secret every request must carry (default: $SIMPLE_GRPO_TOKEN); needed off loopback")
     port: int = flag(DEFAULT_PORT, "the port to listen on")
-    device: str = flag("auto", "where the reference model runs: auto (the first visible GPU, else cpu), cpu, "
-                               "cuda, cuda:1, ...")
+    device: str = flag("auto", "where the reference model runs: auto (the first visible GPU, else cpu), cpu, cuda:1")
     dtype: str = flag("auto", "auto (bfloat16 on a GPU, float32 on a CPU), float32, bfloat16 or float16")
     threads: int = flag(1, "CPU threads for the reference forward pass")
     max_queue: int = flag(256, "groups waiting in each direction; /upload answers 503 when full")

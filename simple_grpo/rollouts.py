@@ -23,10 +23,9 @@ def correct_rows(scores, weights):
 
 def make_groups(prompt_rows, completion_ids, until_stop, rewards, G, meta, sampler_logps=None, keep_equal=False,
                 scale_rewards="group", scores=None, estimator="grpo", correct=None, eps=1e-4):
-    """One group (tensors, meta) per prompt with a non-zero advantage, ready to post, and has_signal (Q,). A group
-    whose advantages are all 0 has no policy-gradient signal (only its KL term): dropping it saves its compute
-    (TRL keeps it); keep_equal keeps it. estimator, eps, correct: grpo_math.group_advantages's. scores: each
-    completion's rewards (score_groups'), carried in the meta for the completions log."""
+    """One group (tensors, meta) per prompt with a non-zero advantage, and has_signal (Q,). A group whose advantages
+    are all 0 has no policy-gradient signal: dropping it saves its compute (TRL keeps it; keep_equal does too).
+    estimator, eps, correct: grpo_math.group_advantages's. scores (score_groups'): carried to the completions log."""
     advantages = group_advantages(rewards, G, scale_rewards=scale_rewards, eps=eps, estimator=estimator, correct=correct)
     has_signal = groups_with_signal(advantages, G)
     groups = []

@@ -92,7 +92,7 @@ def test_a_trainer_refuses_a_server_with_another_model_naming_both(perturbed_ser
     assert out.returncode != 0
     message = out.stderr.strip().splitlines()[-1]
     assert f"serves {models['perturbed']}" in message and "starts from models/tiny-math" in message, message
-    assert "1 of the 26 tensors compared differ (model.layers.0.self_attn.q_proj.weight)" in message
+    assert "1 of the 50 tensors compared differ (model.layers.0.self_attn.q_proj.weight)" in message
     assert "--ref_model_differs_ok" in message
     assert not os.path.exists(os.path.join(ROOT, "runs", "test_fingerprint_refused", "metrics.jsonl"))
 

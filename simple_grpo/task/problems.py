@@ -134,9 +134,8 @@ def chat_turn_end_id(tokenizer):
 
 def stop_token_ids(tokenizer, prompt_format="chat", model=None):
     """The ids that end a completion, for both samplers and every mask: the tokenizer's EOS, under a chat template
-    its turn end (chat_turn_end_id: a base model's EOS, Qwen2.5's <|endoftext|>, is not), and the eos ids of the
-    model's generation config (model: its directory; None: the tokenizer's), at which vLLM stops too. A stop the
-    masks did not know would leave the tokens after it trained as part of the answer."""
+    its turn end (a base model's EOS, Qwen2.5's <|endoftext|>, is not), and the eos ids of the model's generation
+    config (model: its directory; None: the tokenizer's), at which vLLM stops too."""
     from transformers import AutoConfig, GenerationConfig
     model = model or tokenizer.name_or_path
     try:

@@ -1,15 +1,8 @@
-"""Rewards for "think, then answer" completions, the same for both trainers and evaluate.py. A reward is
-`fn(completion, answer) -> float`: the model's decoded text after the prompt, and the true answer ("1000" for
-GSM8K's "... #### 1,000").
-
-- correctness: the text inside the last <answer>...</answer> equals the answer by math-verify ("1,000" = 1000,
-  "3.50" = 3.5, "7/2" = 3.5). No answer tags, no credit.
-- format: <think>...</think> then <answer>...</answer>, each tag once, nothing but whitespace around them.
-- answer_is: for a model never taught the tags, the first number after the last "answer is" ("The answer is 42.",
-  "**The final answer is: $1,000**") equals the answer, checked as correctness checks it.
-
-Add your own: decorate it with `@reward_function("name")` in a file that --reward_file loads, then weigh it:
-`--reward_funcs correctness,format,name --reward_weights 1.0,0.5,0.1`.
+"""Rewards for "think, then answer" completions, the same for both trainers and evaluate.py: each is
+`fn(completion, answer) -> float`, of the model's text after the prompt and the true answer ("1000" for GSM8K's
+"... #### 1,000"). correctness: the last <answer>...</answer> equals it by math-verify ("1,000" = 1000, "7/2" = 3.5);
+format: <think>...</think><answer>...</answer>, each tag once; answer_is: the number after the last "answer is"
+equals it. Add your own with `@reward_function("name")` in a file --reward_file loads.
 """
 import importlib.util
 import math
@@ -22,11 +15,6 @@ from math_verify import parse, verify
 
 FORMAT_RE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-ANSWER_IS_RE = re.compile(r"\banswer\s+is", re.IGNORECASE)  # "final answer is" too; its last one counts
-# the number right after it, past spaces, ':', '**' and '$': "1,000" (thousands by 3s), "-4", "3.50"
-STATED_NUMBER_RE = re.compile(r"[\s:*$]*(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)")
-# a plain integer and nothing else: an optional minus, then digits, bare or with commas between groups of 3 ("1,000")
-INTEGER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)", re.ASCII)  # ASCII digits only
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 REWARD_FUNCS = {}  # name -> fn(completion, answer) -> float
 DEFAULT_WEIGHTS = {"correctness": 1.0, "format": 0.5}
@@ -58,27 +46,22 @@ def extract_answer(completion: str):
 
 
 def extract_stated_answer(completion: str):
-    """The number stated right after the last "answer is" ("The answer is $1,000." -> "1000"), or None
-    when there is no such phrase or no number follows it."""
-    found = list(ANSWER_IS_RE.finditer(completion))
+    """The number stated right after the last "answer is" ("final answer is" too), past spaces, ':', '**' and '$'
+    ("The answer is $1,000." -> "1000"; "-4", "3.50"), or None when there is no such phrase or no number follows it."""
+    found = list(re.finditer(r"\banswer\s+is", completion, re.IGNORECASE))
     if not found:
         return None
-    number = STATED_NUMBER_RE.match(completion, found[-1].end())
+    number = re.compile(r"[\s:*$]*(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)").match(completion, found[-1].end())
     return number.group(1).replace(",", "") if number else None
-
-
-def _timeout():
-    # math-verify's time limit uses SIGALRM, which Python allows only in the main thread.
-    return 5 if threading.current_thread() is threading.main_thread() else None
 
 
 def _equal(predicted, answer) -> float:
     """1.0 when math-verify finds `predicted` (None: nothing found) equal to `answer`, else 0.0."""
     if not predicted:
         return 0.0
-    gold = parse(answer, parsing_timeout=_timeout())
-    pred = parse(predicted, parsing_timeout=_timeout())
-    return float(bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=_timeout()))
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None  # SIGALRM: main thread only
+    gold, pred = parse(answer, parsing_timeout=timeout), parse(predicted, parsing_timeout=timeout)
+    return float(bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=timeout))
 
 
 @reward_function("correctness")
@@ -96,8 +79,9 @@ def answer_is_reward(completion: str, answer: str) -> float:
 def strict_integer_correct(completion: str, answer: str) -> float:
     """evaluate.py's accuracy_strict: 1.0 when the tagged answer is a plain integer ("50", "-3", "1,000"; not
     "21+29", "50.0", "$50" or "+7") equal to `answer` (itself such an integer), else 0.0."""
+    integer = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)", re.ASCII)  # ASCII digits, bare or with commas by 3s
     predicted = extract_answer(completion)
-    if predicted is None or not INTEGER_RE.fullmatch(predicted) or not INTEGER_RE.fullmatch(answer.strip()):
+    if predicted is None or not integer.fullmatch(predicted) or not integer.fullmatch(answer.strip()):
         return 0.0
     return float(int(predicted.replace(",", "")) == int(answer.strip().replace(",", "")))
 
