@@ -50,8 +50,7 @@ from grpo_math import (completion_logps, completion_mask, group_advantages, grou
                        is_truncated)
 from simple_grpo.flags import flag, parse_flags
 from simple_grpo.generation.hf_sampler import generate
-from simple_grpo.protocol import reference_logps_from_server, uses_ref_server
-from simple_grpo.reference.fingerprint import check_reference
+from simple_grpo.protocol import check_reference, reference_logps_from_server, uses_ref_server
 from simple_grpo.rollouts import correct_rows, rollout_stats, score_groups
 from simple_grpo.run.checkpoints import check_run_dir, open_run, save_checkpoint
 from simple_grpo.run.completions_log import log_batch_completions

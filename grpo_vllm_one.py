@@ -55,8 +55,7 @@ from simple_grpo.generation.vllm_sampler import sample, start_vllm, stop_vllm
 from simple_grpo.generation.weight_sync import WeightSender, sync_weights
 from simple_grpo.generation.workers import (check_workers, draws_to_resume, local_world_size, start_workers,
                                             stop_workers, take_local_group, wait_for_vllm, watch_parent)
-from simple_grpo.protocol import post_groups, take_group, uses_ref_server
-from simple_grpo.reference.fingerprint import check_reference
+from simple_grpo.protocol import check_reference, post_groups, take_group, uses_ref_server
 from simple_grpo.rollouts import collate, correct_rows, make_groups, rollout_stats, score_groups
 from simple_grpo.run.checkpoints import check_run_dir, open_run, save_checkpoint
 from simple_grpo.run.completions_log import log_batch_completions

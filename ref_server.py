@@ -2,20 +2,11 @@
 
     python ref_server.py                                  # tiny default model, 127.0.0.1:59875
     python ref_server.py --model Qwen/Qwen2.5-0.5B --port 59875 --device cuda:0
+    SIMPLE_GRPO_TOKEN=secret python ref_server.py --host 0.0.0.0   # off loopback a token is needed (--ref_token)
 
-Generators POST groups of rollouts to /upload; a worker thread computes the reference
-model's per-token log-probs (for the KL term) and queues the finished group; trainers
-GET /get to take finished groups in the order they arrived (FIFO). Keeping the reference
-model here leaves the trainer's device its memory, and lets it live on another GPU or
-machine. Messages are safetensors bytes (simple_grpo/protocol.py), never pickle.
-
-It is safe to leave running: every upload is checked and a bad one gets a 4xx with a
-reason; the queues are bounded in groups and in bytes (a full queue answers 503 and
-clients back off); at most --max_connections are served at once (more get 429), each
-cut off --conn_timeout seconds after it opened; /stats counts what happened. It listens on 127.0.0.1 unless --host
-says otherwise, and then only with a shared token (--token or $SIMPLE_GRPO_TOKEN):
-
-    SIMPLE_GRPO_TOKEN=secret python ref_server.py --host 0.0.0.0   # trainers pass --ref_token
+Generators POST groups of rollouts to /upload; a worker thread adds the reference model's per-token log-probs (the
+KL term's), and trainers GET /get the finished groups, oldest first: the trainer's device keeps its memory. Uploads are
+checked (simple_grpo/http_server.py), the queues bounded in groups and in bytes (full: 503); /stats counts.
 """
 import queue
 import sys
@@ -28,13 +19,12 @@ import torch
 from simple_grpo.flags import parse_flags
 from simple_grpo.logprobs import load_reference, sequence_logps
 from simple_grpo.protocol import ServerConfig, encode
-from simple_grpo.reference.http_server import (add_token_check_and_health, answer, check_exposure, read_rollout, serve,
-                                               wait_seconds)
+from simple_grpo.http_server import (add_token_check_and_health, answer, check_exposure, read_rollout, serve,
+                                     wait_seconds)
 
 
 def ref_worker(model, todo, done, stats, lock):
-    """Take uploaded groups in order, add the reference model's per-token log-probs of the completions
-    (ref_logps, (G, C), at the sampling temperature the group names), queue them for trainers."""
+    """Take uploaded groups in order, add ref_logps (G, C) at the group's sampling temperature, queue them."""
     while True:
         size, tensors, meta = todo.get()
         try:
@@ -56,9 +46,8 @@ def ref_worker(model, todo, done, stats, lock):
 
 
 class Finished:
-    """Finished groups waiting for trainers, oldest first, at most `maxsize`. A trainer may ask for
-    its own run's groups only: the ranks of a multi-GPU run share one server, each with its run_id.
-    When full, a group older than `stale_s` (a run that stopped taking its groups) makes room."""
+    """Finished groups waiting for trainers, oldest first, at most maxsize; a trainer takes its own run_id's
+    (ranks share a server). When full, a group older than stale_s (a run that stopped taking them) makes room."""
 
     def __init__(self, maxsize, stale_s=600.0):
         self.items, self.maxsize, self.stale_s, self.changed = [], maxsize, stale_s, threading.Condition()
@@ -78,14 +67,13 @@ class Finished:
 
     def get(self, run_id=None, timeout=0.0):
         """The oldest item (of run_id, if given); queue.Empty if none comes within timeout."""
-        def first():
-            return next((i for i, (r, _, _) in enumerate(self.items) if run_id in (None, r)), None)
+        def of_run():
+            return [i for i, (r, _, _) in enumerate(self.items) if run_id in (None, r)]
         with self.changed:
-            self.changed.wait_for(lambda: first() is not None, timeout)
-            if (i := first()) is None:
+            if not (found := self.changed.wait_for(of_run, timeout)):
                 raise queue.Empty
-            self.changed.notify_all()
-            return self.items.pop(i)[2]
+            self.changed.notify_all()  # room for a waiting put
+            return self.items.pop(found[0])[2]
 
     def qsize(self):
         return len(self.items)
@@ -97,8 +85,7 @@ def make_app(model, cfg: ServerConfig):
     stats = {"groups_in": 0, "groups_out": 0, "groups_taken": 0, "rejected": 0, "rejected_full": 0,
              "errors": 0, "queued_bytes": 0, "ref_s": 0.0}
     lock, started = threading.Lock(), time.time()
-    threading.Thread(target=ref_worker, args=(model, todo, done, stats, lock),
-                     daemon=True).start()
+    threading.Thread(target=ref_worker, args=(model, todo, done, stats, lock), daemon=True).start()
     add_token_check_and_health(app, cfg, stats)
 
     @app.post("/upload")

@@ -38,8 +38,8 @@ from simple_grpo.flags import flag, parse_flags  # noqa: E402
 from simple_grpo.generation.vllm_sampler import NO_LOGP  # noqa: E402
 from simple_grpo.logprobs import load_reference, sequence_logps  # noqa: E402
 from simple_grpo.protocol import ServerConfig, encode  # noqa: E402
-from simple_grpo.reference.http_server import (add_token_check_and_health, answer, check_exposure,  # noqa: E402
-                                               read_rollout, serve, wait_seconds)
+from simple_grpo.http_server import (add_token_check_and_health, answer, check_exposure,  # noqa: E402
+                                     read_rollout, serve, wait_seconds)
 from simple_grpo.task.problems import stop_token_ids  # noqa: E402
 
 

@@ -1,12 +1,9 @@
-"""The wire between generators, the reference server and trainers: messages, checks, client calls, and the
-server's own flags (ServerConfig: ref_server.py's; regroup_ver/'s server extends them).
-
-A message is safetensors bytes: named tensors plus a small JSON dict in the safetensors
-header's metadata. safetensors parses nothing but a JSON header and raw numbers, so bytes
-from the network cannot run code (unlike torch.load / pickle). The server checks every
-upload (check_rollout) before it touches its model; clients retry with backoff and stop
-with an error naming the server when it is gone (ref_request).
+"""The wire between generators, the reference server and trainers: messages, their checks, the client calls, the
+check that the server holds the trainer's model, and the server's flags (ServerConfig). A message is safetensors
+bytes (tensors, and a JSON dict in the header): parsing them runs no code, unlike torch.load / pickle.
 """
+import glob
+import hashlib
 import json
 import math
 import os
@@ -15,18 +12,16 @@ from dataclasses import dataclass
 
 import requests
 import torch
+from safetensors import safe_open
 from safetensors.torch import load, save
 
 from simple_grpo.flags import flag
 
-VERSION = 2  # 2: vLLM's log-probs travel as sampler_logps (1 called them old_logps)
+VERSION = 2  # of the message format: a message of another version is refused
 TOKEN_ENV = "SIMPLE_GRPO_TOKEN"  # the shared secret, when the server listens beyond loopback
 DEFAULT_PORT = 59875
 DEFAULT_REF_URL = f"http://127.0.0.1:{DEFAULT_PORT}"  # where `python ref_server.py` listens
-ROLLOUT_TENSORS = {"prompt_ids": 1, "completion_ids": 2}  # name: ndim; all the reference model reads
-# what a generator's group carries on to the trainer that takes it (grpo_vllm_one.py: the server is its queue;
-# regroup_ver/'s server pools answers by reward); grpo_train.py keeps its own and sends only the tokens
-OPTIONAL_TENSORS = {"rewards": 1, "advantages": 1, "sampler_logps": 2}
+FLOAT_TENSORS = ("rewards", "advantages", "sampler_logps")  # optional: what a group carries on to its trainer
 
 
 def encode(tensors: dict, meta: dict) -> bytes:
@@ -36,60 +31,38 @@ def encode(tensors: dict, meta: dict) -> bytes:
 
 def decode(body: bytes):
     """(tensors, meta) from encode's bytes; ValueError with a reason on anything else."""
-    if len(body) < 8:
-        raise ValueError("body too short for a safetensors message")
-    header_len = int.from_bytes(body[:8], "little")
-    if header_len > len(body) - 8:
-        raise ValueError(f"header of {header_len} bytes declared, {len(body) - 8} sent")
     try:
-        header = json.loads(body[8:8 + header_len])
-        meta = json.loads(header["__metadata__"]["json"])
-        tensors = load(body)  # checks every tensor's byte range against the body's length
+        tensors = load(body)  # checks the header's length and every tensor's byte range against the body's
+        meta = json.loads(json.loads(body[8:8 + int.from_bytes(body[:8], "little")])["__metadata__"]["json"])
     except Exception as e:  # noqa: BLE001 - any parse failure is the sender's error
         raise ValueError(f"not a valid message: {type(e).__name__}: {str(e)[:120]}") from None
     if not isinstance(meta, dict) or meta.get("version") != VERSION:
-        raise ValueError(f"protocol version {meta.get('version') if isinstance(meta, dict) else None} "
-                         f"!= {VERSION}")
+        raise ValueError(f"not a message of protocol version {VERSION}")
     return tensors, meta
 
 
 def check_rollout(tensors, meta, vocab_size, max_len, max_group_size):
-    """Raise ValueError naming the problem unless this is a well-formed group of rollouts:
-    prompt_ids (P,) and completion_ids (G, C) int64 in the vocabulary, P + C <= max_len,
-    optional rewards and advantages (G,) and sampler_logps (G, C) (NO_LOGP where vLLM gave none), finite floats,
-    meta with an integer policy_version and a positive finite temperature."""
-    unknown = set(tensors) - set(ROLLOUT_TENSORS) - set(OPTIONAL_TENSORS)
-    if unknown:
-        raise ValueError(f"unexpected tensor(s) {sorted(unknown)[:5]}")
-    for name, ndim in {**ROLLOUT_TENSORS, **OPTIONAL_TENSORS}.items():
-        if name not in tensors:
-            if name in OPTIONAL_TENSORS:
-                continue
-            raise ValueError(f"missing tensor {name!r}")
-        if tensors[name].dim() != ndim:
-            raise ValueError(f"{name} must have {ndim} dimension(s), got shape {tuple(tensors[name].shape)}")
+    """ValueError naming the problem unless this is a well-formed group: prompt_ids (P,) and completion_ids (G, C)
+    int64 ids in the vocabulary, P + C <= max_len, optional finite float FLOAT_TENSORS; an int policy_version and
+    a positive temperature."""
+    if not {"prompt_ids", "completion_ids"} <= set(tensors) <= {"prompt_ids", "completion_ids", *FLOAT_TENSORS}:
+        raise ValueError(f"a group has prompt_ids, completion_ids and optionally {', '.join(FLOAT_TENSORS)}; "
+                         f"got {sorted(tensors)[:8]}")
     prompt, completion = tensors["prompt_ids"], tensors["completion_ids"]
-    G = completion.size(0)
-    if G == 0 or prompt.numel() == 0 or completion.size(1) == 0:
-        raise ValueError("empty prompt or completions")
-    if G > max_group_size:
-        raise ValueError(f"{G} completions in a group > {max_group_size}")
-    if prompt.numel() + completion.size(1) > max_len:
-        raise ValueError(f"prompt + completion = {prompt.numel() + completion.size(1)} tokens > {max_len}")
-    for name in ("prompt_ids", "completion_ids"):
-        t = tensors[name]
-        if t.dtype != torch.int64:
-            raise ValueError(f"{name} must be int64, got {t.dtype}")
-        if t.min() < 0 or t.max() >= vocab_size:
-            raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size})")
-    for name in ("rewards", "advantages", "sampler_logps"):
-        if name not in tensors:
-            continue
-        t, shape = tensors[name], ((G,) if name != "sampler_logps" else tuple(completion.shape))
-        if t.dtype not in (torch.float32, torch.float64) or tuple(t.shape) != shape:
-            raise ValueError(f"{name} must be float32/64 of shape {shape}, got {t.dtype} {tuple(t.shape)}")
-        if not torch.isfinite(t).all():
-            raise ValueError(f"{name} has NaN or infinite values")
+    if prompt.dim() != 1 or completion.dim() != 2 or prompt.numel() == 0 or completion.numel() == 0:
+        raise ValueError(f"prompt_ids must be (P,) and completion_ids (G, C), none empty; got shapes "
+                         f"{tuple(prompt.shape)} and {tuple(completion.shape)}")
+    (G, C), P = completion.shape, prompt.numel()
+    if G > max_group_size or P + C > max_len:
+        raise ValueError(f"{G} completions, {P} + {C} tokens long: at most {max_group_size}, {max_len} tokens long")
+    for name, t in (("prompt_ids", prompt), ("completion_ids", completion)):
+        if t.dtype != torch.int64 or t.min() < 0 or t.max() >= vocab_size:
+            raise ValueError(f"{name} must be int64 token ids in the vocabulary [0, {vocab_size}), got {t.dtype}")
+    for name in FLOAT_TENSORS:
+        t, shape = tensors.get(name), ((G, C) if name == "sampler_logps" else (G,))
+        if t is not None and (t.dtype not in (torch.float32, torch.float64) or t.shape != shape
+                              or not torch.isfinite(t).all()):
+            raise ValueError(f"{name} must be finite float32/64 of shape {shape}, got {t.dtype} {tuple(t.shape)}")
     version, temperature = meta.get("policy_version", 0), meta.get("temperature", 1.0)
     if not isinstance(version, int) or isinstance(version, bool):
         raise ValueError("policy_version must be an integer")
@@ -99,30 +72,23 @@ def check_rollout(tensors, meta, vocab_size, max_len, max_group_size):
 
 # ---------------------------------------------------------------------------- the client side
 def uses_ref_server(cfg):
-    """Whether a trainer talks to the reference server: for the KL term's reference log-probs (with LoRA
-    and no --ref_url the trainer's own base model, adapters off, gives them), and for regrouping's pools."""
+    """Whether a trainer talks to the ref server: for the KL term (LoRA without --ref_url: its base), or to regroup."""
     return (cfg.beta != 0 and bool(cfg.ref_url)) or getattr(cfg, "regroup", False)
 
 
-def auth_headers(token):
-    return {"Authorization": f"Bearer {token}"} if token else {}
-
-
 def ref_request(cfg, method, path, **kwargs):
-    """One HTTP call to the reference server at cfg.ref_url. A server that does not answer
-    (refused, reset, timed out, 429, 5xx other than 503) is retried with backoff for cfg.peer_timeout
-    seconds; then the run stops with an error that names it and says how to restart it."""
+    """One HTTP call to the reference server at cfg.ref_url. No answer (refused, reset, timed out, 429, 5xx but 503)
+    is retried with backoff for cfg.peer_timeout seconds; then the run stops, naming the server."""
     token = cfg.ref_token or os.environ.get(TOKEN_ENV, "")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     first_failure, delay = None, 0.25
     while True:
         try:
-            r = requests.request(method, cfg.ref_url + path, timeout=cfg.peer_timeout,
-                                 headers=auth_headers(token), **kwargs)
+            r = requests.request(method, cfg.ref_url + path, timeout=cfg.peer_timeout, headers=headers, **kwargs)
             if r.status_code == 401:
                 raise SystemExit(f"ref server at {cfg.ref_url} refused our token: pass --ref_token or set "
                                  f"{TOKEN_ENV} to the server's")
-            too_many_connections = r.status_code == 429  # retried like a server that is down
-            if not too_many_connections and (r.status_code < 500 or r.status_code == 503):
+            if r.status_code < 500 and r.status_code != 429 or r.status_code == 503:  # 429: as if down
                 return r
             problem = f"HTTP {r.status_code} {r.text[:100]}"
         except requests.RequestException as e:
@@ -137,8 +103,7 @@ def ref_request(cfg, method, path, **kwargs):
 
 
 def post_groups(cfg, groups):
-    """Upload groups of rollouts [(tensors, meta)] for the server to add ref_logps to. A full
-    queue (503) is retried with backoff for up to cfg.ref_timeout seconds."""
+    """Upload groups of rollouts [(tensors, meta)]; a full queue (503) is retried for up to cfg.ref_timeout s."""
     for tensors, meta in groups:
         body, deadline, delay = encode(tensors, meta), time.time() + cfg.ref_timeout, 0.05
         while (r := ref_request(cfg, "POST", "/upload", data=body)).status_code == 503:
@@ -152,15 +117,9 @@ def post_groups(cfg, groups):
 
 
 def take_group(cfg, run_id, timeout, waiting=None, policy_version=None):
-    """The oldest finished group (tensors, meta) of this run from the server (FIFO), waiting for one.
-    Groups another run left in the server are skipped. waiting(waited_s) runs between polls: it
-    tells the user what the wait is for, and may stop it (a dead producer, its own deadline).
-    timeout: seconds before the run stops (None: waiting() keeps the deadline). policy_version: the
-    trainer's (the regrouping server serves no answer too much older)."""
-    start = time.time()
-    params = {"wait": 2, "run_id": run_id}  # the server keeps other runs' (and other ranks') groups for them
-    if policy_version is not None:
-        params["policy_version"] = policy_version
+    """The oldest finished group (tensors, meta) of this run (another run's is skipped), polled for. waiting(waited_s)
+    runs between polls; after timeout seconds (None: waiting keeps the deadline) the run stops."""
+    start, params = time.time(), {"wait": 2, "run_id": run_id, "policy_version": policy_version}  # None: not sent
     while True:
         r = ref_request(cfg, "GET", "/get", params=params)
         if r.status_code == 200:
@@ -178,12 +137,10 @@ def take_group(cfg, run_id, timeout, waiting=None, policy_version=None):
 
 
 def reference_logps_from_server(cfg, run_id, prompt_ids, prompt_mask, completion_ids, until_stop, meta, waiting=None):
-    """The reference model's per-token log-probs of a batch's completions, (Q*G, C), from the ref server:
-    the same numbers as grpo_math.completion_logps of the frozen reference model in evaluation mode, in
-    the server's --dtype (tests/test_ref_server.py). Each prompt's group goes as one upload (the prompt
-    without its padding, the completions cut after the group's longest: until_stop (Q*G, C) is 1 up to
-    each one's first stop token); then the Q answers are taken back, first in, first out (take_group polls
-    for each until it is ready), and padded back to (Q*G, C) with 0. waiting(group, waited_s) runs while it waits."""
+    """The reference model's per-token log-probs of a batch's completions, (Q*G, C), from the ref server: each
+    prompt's group is uploaded (the prompt unpadded, the completions cut after the group's longest: until_stop
+    (Q*G, C) is 1 up to each one's first stop token), then taken back in order and padded back with 0.
+    waiting(group, waited_s) runs while it waits."""
     Q, G = prompt_ids.size(0), completion_ids.size(0) // prompt_ids.size(0)
     groups = []
     for q in range(Q):
@@ -201,6 +158,53 @@ def reference_logps_from_server(cfg, run_id, prompt_ids, prompt_mask, completion
     return ref_logps
 
 
+# ---------------------------------------------------------------------------- which model the server holds
+def model_fingerprint(model):
+    """{tensor name: checksum} of a model's safetensors files ({} without any), the same in any dtype: a hash of
+    each tensor's shape and its first, middle and last rows (all of a 1-D tensor), rounded to bfloat16."""
+    from huggingface_hub import snapshot_download
+    directory = model if os.path.isdir(model) else snapshot_download(model, allow_patterns=["*.safetensors"])
+    sums = {}
+    for path in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                tensor, shape = f.get_slice(name), f.get_slice(name).get_shape()
+                rows = [tensor[i:i + 1] for i in sorted({0, shape[0] // 2, shape[0] - 1})] if len(shape) > 1 \
+                    else [f.get_tensor(name)]
+                sample = torch.cat([row.reshape(-1) for row in rows]).to(torch.bfloat16).view(torch.int16)
+                sums[name] = hashlib.sha256(str(shape).encode() + sample.numpy().tobytes()).hexdigest()[:16]
+    return sums
+
+
+def differences(ours, theirs):
+    """The tensors two fingerprints disagree on: a checksum differs, or only one of them has the tensor."""
+    return sorted(name for name in ours.keys() | theirs.keys() if ours.get(name) != theirs.get(name))
+
+
+def check_reference(cfg):
+    """Before a trainer's first step: stop if the ref server does not answer, or if it serves another model than
+    cfg.model (naming both), unless --beta 0 or --ref_model_differs_ok. Notes a dtype that differs."""
+    health = ref_request(cfg, "GET", "/health").json()
+    if health.get("dtype") not in (None, cfg.dtype):
+        print(f"note: the ref server computes the reference in {health['dtype']}, this run trains in {cfg.dtype}: "
+              f"the KL term carries {health['dtype']}'s rounding (ref_server.py --dtype {cfg.dtype} to match)")
+    theirs = health.get("fingerprint")
+    if cfg.beta == 0 or theirs is None:  # no KL term; or a server that does not say what it serves
+        return
+    ours = model_fingerprint(cfg.model)
+    if not (differ := differences(ours, theirs)):
+        return
+    what = (f"the ref server at {cfg.ref_url} serves {health.get('model')}, but this run starts from {cfg.model}: "
+            f"{len(differ)} of the {len(ours.keys() | theirs.keys())} tensors compared differ "
+            f"({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''})")
+    if cfg.ref_model_differs_ok:
+        print(f"note: {what} (--ref_model_differs_ok: going on)")
+        return
+    raise SystemExit(f"{what}. The KL term would pull the policy toward another model. Start the server with "
+                     f"`python ref_server.py --model {cfg.model}`, or pass --ref_model_differs_ok if a different "
+                     "reference is meant.")
+
+
 # ---------------------------------------------------------------------------- the reference server's flags
 @dataclass
 class ServerConfig:
@@ -208,8 +212,7 @@ class ServerConfig:
     host: str = flag("127.0.0.1", "the address to listen on: loopback only unless told otherwise")
     token: str = flag("", "shared secret every request must carry (default: $SIMPLE_GRPO_TOKEN); needed off loopback")
     port: int = flag(DEFAULT_PORT, "the port to listen on")
-    device: str = flag("auto", "where the reference model runs: auto (the first visible GPU, else cpu), cpu, "
-                               "cuda, cuda:1, ...")
+    device: str = flag("auto", "where the reference model runs: auto (the first visible GPU, else cpu), cpu, cuda:1")
     dtype: str = flag("auto", "auto (bfloat16 on a GPU, float32 on a CPU), float32, bfloat16 or float16")
     threads: int = flag(1, "CPU threads for the reference forward pass")
     max_queue: int = flag(256, "groups waiting in each direction; /upload answers 503 when full")

@@ -1,8 +1,5 @@
-"""From sampled completions to trainable groups: rewards, the dropping of groups whose advantages
-(grpo_math.group_advantages) are all 0, what a batch of rollouts says for the log, and the padded batch the
-update takes.
-
-Shapes: Q prompts, G completions each (Q*G rows, group after group), P prompt and C completion tokens.
+"""From sampled completions to trainable groups: rewards, the groups kept, the step's rollout figures, the padded
+batch. Q prompts, G completions each (Q*G rows, group after group), P prompt and C completion tokens.
 """
 import torch
 
@@ -19,21 +16,16 @@ def score_groups(completions, problems, G, weights):
 
 
 def correct_rows(scores, weights):
-    """(Q*G,) 1.0 for each completion that earned the correctness reward trained on (pick_accuracy_reward),
-    else 0.0: what RAFT trains on."""
+    """(Q*G,) 1.0 where a completion earned the correctness reward trained on (pick_accuracy_reward): RAFT's."""
     name = pick_accuracy_reward(weights)
     return torch.tensor([float(s[name] == 1.0) for s in scores])
 
 
 def make_groups(prompt_rows, completion_ids, until_stop, rewards, G, meta, sampler_logps=None, keep_equal=False,
                 scale_rewards="group", scores=None, estimator="grpo", correct=None, eps=1e-4):
-    """One group (tensors, meta) per prompt with a non-zero advantage, ready to post, and has_signal (Q,).
-    A group whose advantages are all 0 (GRPO: its rewards are all equal) has no policy-gradient signal,
-    though with beta > 0 its KL term would still pull towards the reference. Dropping it is a choice (TRL
-    keeps it), which saves its compute; keep_equal keeps it (regroup_ver/ pools it with other answers to the
-    same question). estimator, eps: grpo_math.group_advantages's (grpo, or raft, which needs correct: correct_rows).
-    scores: each completion's reward breakdown (task/rewards.py's score), carried in the group's meta for the
-    completions log."""
+    """One group (tensors, meta) per prompt with a non-zero advantage, and has_signal (Q,). A group whose advantages
+    are all 0 has no policy-gradient signal: dropping it saves its compute (TRL keeps it; keep_equal does too).
+    estimator, eps, correct: grpo_math.group_advantages's. scores (score_groups'): carried to the completions log."""
     advantages = group_advantages(rewards, G, scale_rewards=scale_rewards, eps=eps, estimator=estimator, correct=correct)
     has_signal = groups_with_signal(advantages, G)
     groups = []
@@ -49,10 +41,8 @@ def make_groups(prompt_rows, completion_ids, until_stop, rewards, G, meta, sampl
 
 
 def rollout_stats(rewards, scores, until_stop, has_signal, gen_s, truncated, accuracy_reward="correctness"):
-    """What one step's rollouts say, for the log: all groups, dropped ones included. until_stop (Q*G, C):
-    1 up to each completion's first stop token (grpo_math.completion_mask); truncated (Q*G,):
-    the completions cut off at max_new_tokens (grpo_math.is_truncated); accuracy: the mean of
-    accuracy_reward (task/rewards.py's pick_accuracy_reward: the correctness reward trained on)."""
+    """What one step's rollouts say, for the log, dropped groups included. until_stop (Q*G, C): 1 up to each
+    completion's first stop token; truncated (Q*G,): cut off at max_new_tokens; accuracy: accuracy_reward's mean."""
     each = {}
     for name in (n for n in scores[0] if n != "reward"):  # each reward function's mean and spread
         values = torch.tensor([s[name] for s in scores], dtype=torch.float)

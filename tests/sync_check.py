@@ -20,7 +20,7 @@ from grpo_vllm_one import Config  # noqa: E402
 from simple_grpo.generation.vllm_sampler import sample, start_vllm, stop_vllm  # noqa: E402
 from simple_grpo.generation.weight_sync import load_weights  # noqa: E402
 from simple_grpo.logprobs import sequence_logps  # noqa: E402
-from simple_grpo.task.problems import chat_prompt, load_jsonl  # noqa: E402
+from simple_grpo.task.problems import load_jsonl, make_prompt  # noqa: E402
 
 dtype = sys.argv[1]
 device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -33,7 +33,7 @@ with torch.no_grad():  # the "trained" weights: a clear change, tied embeddings 
         p.add_(0.02 * torch.randn_like(p))
 load_weights(llm, policy.state_dict())  # in memory, from the policy's own tensors, as grpo_vllm_one's worker loads them
 tok = llm.get_tokenizer()
-prompts = [chat_prompt(tok, p["question"]) for p in load_jsonl(cfg.dataset)[:4]]
+prompts = [make_prompt(tok, p["question"]) for p in load_jsonl(cfg.dataset)[:4]]
 prompt_rows, completion_ids, sampler_logps = sample(llm, prompts, cfg)
 stop_vllm(llm)
 P = max(r.numel() for r in prompt_rows)  # the trainer's left-padded prompts, in the training dtype

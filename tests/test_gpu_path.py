@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from simple_grpo.task.problems import chat_prompt, stop_token_ids
+from simple_grpo.task.problems import make_prompt, stop_token_ids
 from simple_grpo.devices import check_shared_memory, generation_gpus, visible_gpus
 from simple_grpo.flags import parse_flags
 from grpo_math import completion_mask
@@ -140,7 +140,7 @@ def test_the_chat_templates_turn_end_stops_a_base_model_and_ends_its_mask():
     completion = torch.tensor([[11, 12, im_end, 13, 14]])
     assert completion_mask(completion, ids).tolist() == [[1, 1, 1, 0, 0]]
     assert completion_mask(completion, base.eos_token_id).tolist() == [[1, 1, 1, 1, 1]]  # what EOS alone trained
-    assert "<|im_start|>assistant" in chat_prompt(base, "q")
+    assert "<|im_start|>assistant" in make_prompt(base, "q")
 
 
 @pytest.mark.slow  # ~55 s: the whole recipe starts

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from simple_grpo.task.problems import chat_prompt, load_jsonl
+from simple_grpo.task.problems import load_jsonl, make_prompt
 from grpo_math import completion_mask
 from simple_grpo.logprobs import sequence_logps
 from grpo_vllm_one import Config
@@ -69,7 +69,7 @@ def test_vllm_logs_its_info_and_warnings_when_vllm_logging_level_asks():
 
 
 def prompts(llm, n=4):
-    return [chat_prompt(llm.get_tokenizer(), p["question"]) for p in load_jsonl(CFG.dataset)[:n]]
+    return [make_prompt(llm.get_tokenizer(), p["question"]) for p in load_jsonl(CFG.dataset)[:n]]
 
 
 def trainer_logps(model, prompt_rows, completion_ids, pad_id):

@@ -111,10 +111,10 @@ def test_the_whole_trace_leaves_nothing_out_and_counts_the_code_run_on_import():
 
 
 def test_a_closure_is_read_with_the_function_around_it():
-    route = entered("ref_server.py", "make_app.<locals>.get", ("simple_grpo/reference/http_server.py", "serve"))
+    route = entered("ref_server.py", "make_app.<locals>.get", ("simple_grpo/http_server.py", "serve"))
     rows, _ = count(trace(entered("ref_server.py", "make_app"), route,
                           entered("ref_server.py", "Finished.get", ("ref_server.py", "make_app.<locals>.get")),
-                          entered("simple_grpo/reference/http_server.py", "serve")))
+                          entered("simple_grpo/http_server.py", "serve")))
     assert "Finished.get" in rows["ref_server.py"]["functions"]  # the route's call, though HTTP code called the route
 
 

@@ -340,7 +340,7 @@ def read_until_closed(socks):
     return answers
 
 
-# the regroup server shares the HTTP layer (reference/http_server.py) the first attack tests; attacked
+# the regroup server shares the HTTP layer (simple_grpo/http_server.py) the first attack tests; attacked
 # whole it takes ~25 s of the fast suite: slow-marked (make test-all)
 @pytest.mark.parametrize("script", ["ref_server.py", pytest.param("regroup_ver/ref_server_regroup.py",
                                                                   marks=pytest.mark.slow)])

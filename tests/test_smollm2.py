@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from simple_grpo.task.problems import chat_prompt, load_jsonl, stop_token_ids
+from simple_grpo.task.problems import load_jsonl, make_prompt, stop_token_ids
 from grpo_math import completion_mask
 from tools.fetch_smollm2 import is_complete, model_dir
 
@@ -112,7 +112,7 @@ def logp_differences(model_path, dtype):
     start_s = time.time() - t0
     tokenizer = llm.get_tokenizer()
     problems = load_jsonl(os.path.join(ROOT, "data", "toy_math", "test.jsonl"))[:2]
-    prompts = [chat_prompt(tokenizer, p["question"]) for p in problems]
+    prompts = [make_prompt(tokenizer, p["question"]) for p in problems]
     t0 = time.time()
     prompt_rows, completion_ids, sampler_logps = sample(llm, prompts, cfg)
     sample_s = time.time() - t0

@@ -25,7 +25,7 @@ from grpo_vllm_one import Config
 from simple_grpo.generation.hf_sampler import generate
 from simple_grpo.logprobs import sequence_logps
 from simple_grpo.run.doctor import RunDoctor, sampler_gap_details
-from simple_grpo.task.problems import chat_prompt, load_jsonl, stop_token_ids
+from simple_grpo.task.problems import load_jsonl, make_prompt, stop_token_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "models", "tiny-math")
@@ -51,7 +51,7 @@ def config(model_dir, dtype):
 
 
 def prompts(tokenizer, n=4):
-    return [chat_prompt(tokenizer, p["question"]) for p in load_jsonl(DATA)[:n]]
+    return [make_prompt(tokenizer, p["question"]) for p in load_jsonl(DATA)[:n]]
 
 
 def ends_where_the_mask_ends(completion_ids, mask, stop_ids, pad_id):
@@ -81,11 +81,11 @@ import json, sys
 from safetensors.torch import save_file
 from grpo_vllm_one import Config
 from simple_grpo.generation.vllm_sampler import sample, start_vllm
-from simple_grpo.task.problems import chat_prompt, load_jsonl
+from simple_grpo.task.problems import load_jsonl, make_prompt
 cfg = Config(**json.loads(sys.argv[1]))
 llm = start_vllm(cfg, max_seqs=16)
 tok = llm.get_tokenizer()
-prompts = [chat_prompt(tok, p["question"]) for p in load_jsonl(cfg.dataset)[:4]]
+prompts = [make_prompt(tok, p["question"]) for p in load_jsonl(cfg.dataset)[:4]]
 prompt_rows, completion_ids, sampler_logps = sample(llm, prompts, cfg)  # stop_ids: cfg.model's
 try:
     sample(llm, prompts, cfg, stop_ids=[tok.eos_token_id])

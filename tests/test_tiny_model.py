@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from simple_grpo.task.problems import SYSTEM_PROMPT, chat_prompt
+from simple_grpo.task.problems import SYSTEM_PROMPT, make_prompt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "models", "tiny-math")
@@ -43,13 +43,13 @@ def test_chat_template_round_trip(tokenizer):
                     "<|im_start|>assistant\n<think>12+7=19</think><answer>19</answer><|im_end|>\n")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(ids) == text  # encode then decode gives the text back
-    prompt = chat_prompt(tokenizer, QUESTION)
+    prompt = make_prompt(tokenizer, QUESTION)
     assert prompt.endswith("<|im_start|>assistant\n") and text.startswith(prompt)
 
 
 def test_transformers_loads_and_generates_in_format(tokenizer):
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
-    enc = tokenizer(chat_prompt(tokenizer, QUESTION), return_tensors="pt", add_special_tokens=False)
+    enc = tokenizer(make_prompt(tokenizer, QUESTION), return_tensors="pt", add_special_tokens=False)
     out = model.generate(**enc, max_new_tokens=40, do_sample=False, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
     completion = out[0, enc["input_ids"].shape[1]:].tolist()
@@ -62,7 +62,7 @@ def test_vllm_loads_on_cpu_and_its_logprobs_match_transformers(tokenizer):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
     llm = LLM(model=MODEL, dtype="float32", enforce_eager=True, seed=0, max_model_len=512)
-    prompt = chat_prompt(tokenizer, QUESTION)
+    prompt = make_prompt(tokenizer, QUESTION)
     out = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=40, logprobs=0),
                        use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) > 0 and out.text

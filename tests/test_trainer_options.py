@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import simple_grpo.task.rewards as rewards
-from simple_grpo.task.problems import chat_prompt, load_jsonl
+from simple_grpo.task.problems import load_jsonl, make_prompt
 from grpo_math import completion_mask
 from simple_grpo.logprobs import sequence_logps
 from simple_grpo.trainer.deepspeed_engine import make_engine
@@ -177,7 +177,7 @@ def test_num_iterations_reuses_the_rollouts_and_the_second_ratio_is_the_first_st
         return cfg, engine, tokenizer
 
     cfg1, one, tokenizer = engine_for(1)
-    enc = tokenizer([chat_prompt(tokenizer, PROBLEMS[0]["question"])], return_tensors="pt", add_special_tokens=False)
+    enc = tokenizer([make_prompt(tokenizer, PROBLEMS[0]["question"])], return_tensors="pt", add_special_tokens=False)
     torch.manual_seed(0)
     completions = torch.randint(10, 400, (4, 6))
     completions[:2, 4] = tokenizer.eos_token_id  # two end, two are cut off
@@ -211,7 +211,7 @@ def test_vllms_log_probs_are_pi_old_with_tis_cap_0_and_weight_the_tokens_otherwi
     cfg = VllmConfig(model=TINY, beta=0.0, lr=1e-3, seed=0, tis_cap=tis_cap)
     check_options(cfg)
     engine, tokenizer = make_engine(cfg)
-    enc = tokenizer([chat_prompt(tokenizer, PROBLEMS[0]["question"])], return_tensors="pt", add_special_tokens=False)
+    enc = tokenizer([make_prompt(tokenizer, PROBLEMS[0]["question"])], return_tensors="pt", add_special_tokens=False)
     torch.manual_seed(0)
     completions = torch.randint(10, 400, (4, 6))
     with torch.no_grad():

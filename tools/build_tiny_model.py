@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-from simple_grpo.task.problems import SYSTEM_PROMPT, chat_prompt, load_jsonl  # noqa: E402
+from simple_grpo.task.problems import SYSTEM_PROMPT, load_jsonl, make_prompt  # noqa: E402
 from simple_grpo.evaluation import hf_generate, summarize  # noqa: E402
 from simple_grpo.flags import flag, parse_flags  # noqa: E402
 from simple_grpo.task.supervised import make_batch, sft_target  # noqa: E402
@@ -107,8 +107,8 @@ def main(cfg: BuildConfig):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = 100
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
-    train_prompts = [chat_prompt(tokenizer, p["question"]) for p in train]
-    dev_prompts = [chat_prompt(tokenizer, p["question"]) for p in dev]
+    train_prompts = [make_prompt(tokenizer, p["question"]) for p in train]
+    dev_prompts = [make_prompt(tokenizer, p["question"]) for p in dev]
     history, t0 = [], time.time()
     bar = tqdm(range(1, cfg.max_steps + 1), desc="warm start")
     for step in bar:

@@ -58,8 +58,8 @@ LEFT_OUT = [
     ("simple_grpo/run/", "the run directory, the logs, checkpoints and the run doctor: they record the step's "
                          "figures, and none of the step's numbers comes from them"),
     ("simple_grpo/trainer/memory_plan.py", "--plan's memory plan: prints and stops only with --plan"),
-    ("simple_grpo/reference/fingerprint.py", "the check that the server holds our model; changes no number"),
-    ("simple_grpo/reference/http_server.py", "the server's HTTP: checks each upload, bounds connections"),
+    ("simple_grpo/protocol.py:check_reference", "the check that the server holds our model; changes no number"),
+    ("simple_grpo/http_server.py", "the server's HTTP: checks each upload, bounds connections"),
     ("grpo_train.py:check_one_process", "refuses the flags only grpo_vllm_one.py has"),
     ("simple_grpo/trainer/config.py:check_values", "refuses bad values, sets nothing"),
     ("simple_grpo/task/config.py:check_task", "refuses bad task values, sets nothing"),

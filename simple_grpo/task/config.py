@@ -1,7 +1,5 @@
-"""What a run learns from, the flags every script shares: the model, the problems, the reward, and
-how completions are sampled. The trainers' TrainerConfig (simple_grpo/trainer/config.py),
-tools/probe.py and tools/explain_step.py extend TaskConfig; evaluate.py extends DataConfig (the
-model and the problems)."""
+"""What a run learns from, the flags every script shares: the model, the problems, the reward, the sampling.
+The trainers' TrainerConfig and the tools that sample extend TaskConfig; evaluate.py extends DataConfig."""
 from dataclasses import dataclass
 
 from simple_grpo.task.problems import SYSTEM_PROMPT, load_problems
@@ -22,30 +20,26 @@ class DataConfig:
     question_field: str = flag("question", "the field holding the question")
     answer_field: str = flag("answer", 'the field holding the "... #### N" answer')
     prompt_format: str = flag("chat", "chat: the model's chat template; raw: plain text (base models without one)")
-    system_prompt: str = flag(SYSTEM_PROMPT, "the system prompt (default: R1-Zero's); every prompt token costs "
-                                             "compute in each forward pass, and a short one suits a small model")
+    system_prompt: str = flag(SYSTEM_PROMPT, "the system prompt (default: R1-Zero's; a short one suits a small model)")
 
 
 @dataclass
 class TaskConfig(DataConfig):
     """... and the reward and the sampling: what the trainers and the tools that sample take."""
-    reward_funcs: str = flag("correctness,format",
-                             "reward functions (REWARD_FUNCS in simple_grpo/task/rewards.py); reward = weighted sum; "
-                             "the logged accuracy is the first of correctness, answer_is among them (else correctness)")
+    reward_funcs: str = flag("correctness,format", "reward functions (task/rewards.py), weighted and summed; the "
+                             "logged accuracy is the first of correctness, answer_is among them (else correctness)")
     reward_weights: str = flag("1.0,0.5", "one weight per reward function")
     reward_file: str = flag("", "a .py file whose @reward_function-decorated functions add rewards")
     num_generations: int = flag(8, "completions per problem: the group size G")
     max_new_tokens: int = flag(48, "the longest completion, in tokens (evaluate.py's default is 64: see its --help)")
     min_new_tokens: int = flag(0, "no stop token before this many tokens (benchmarks at a fixed length)")
     temperature: float = flag(0.7, "sampling temperature: tokens come from softmax(logits / T), no top-k, top-p or "
-                                   "penalty (the model's generation_config is not applied), and the log-probs are "
-                                   "computed at the same T")
+                                   "penalty (nor the model's generation_config); the log-probs are taken at T too")
     seed: int = flag(0, "seed of the problem draws and the sampling")
 
 
 def check_task(cfg):
-    """Reject bad task values before the slow start-up. A --reward_file is loaded here (it adds reward
-    names), so that --reward_funcs and --reward_weights can be checked (parse_reward_spec)."""
+    """Reject bad task values before the slow start-up; a --reward_file is loaded first (it adds reward names)."""
     if cfg.prompt_format not in ("chat", "raw"):
         raise SystemExit(f"unknown --prompt_format {cfg.prompt_format!r}: use one of chat, raw")
     if cfg.num_generations < 2:
@@ -62,6 +56,6 @@ def check_task(cfg):
 
 
 def load_data(cfg):
-    """The problems cfg names: [{"question", "answer"}, ...] (problems.load_problems)."""
+    """The problems cfg names: [{"question", "answer"}, ...]."""
     return load_problems(cfg.dataset, split=cfg.split, config=cfg.dataset_config or None,
                          question_field=cfg.question_field, answer_field=cfg.answer_field)

@@ -1,10 +1,6 @@
-"""Problems and prompts: reading GSM8K-format problems and turning questions into prompts.
-
-A problem is {"question": str, "answer": "...#### N"}. `load_problems` reads them from a
-local .jsonl, .json, .parquet or .csv file, or from a Hugging Face hub dataset
-("openai/gsm8k", config "main"); other field names map onto these two. The prompt is the
-model's chat template applied to the system prompt below and the question (or plain text
-for base models without one), ready for generation.
+"""Problems and prompts. A problem is {"question": str, "answer": "...#### N"}, read by load_problems from a local
+.jsonl, .json, .parquet or .csv file or a Hugging Face hub dataset ("openai/gsm8k", config "main"), other field
+names mapped onto these two. A prompt is the question in the model's chat template, or plain text.
 """
 import csv
 import json
@@ -22,20 +18,8 @@ SYSTEM_PROMPT = ("A conversation between User and Assistant. The user asks a que
 FILE_TYPES = (".jsonl", ".json", ".parquet", ".csv")
 
 
-def _json_lines(path, text):
-    """(where, row) pairs of a JSON-lines text; blank lines are skipped but still counted."""
-    rows = []
-    for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines(): JSON strings may hold U+2028
-        if line.strip():
-            try:
-                rows.append((f"line {lineno}", json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
-    return rows
-
-
 def _read_file(path):
-    """(where, row) pairs of a local file, `where` as a user counts: JSONL lines, else data rows."""
+    """(where, row) pairs of a local file, where as a user counts: JSONL lines (blank ones too), else data rows."""
     ext = os.path.splitext(path)[1]
     if ext == ".csv":
         with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: spreadsheets start with a BOM
@@ -55,7 +39,14 @@ def _read_file(path):
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
         return [(f"row {i}", row) for i, row in enumerate(rows, 1)]
-    return _json_lines(path, text)
+    rows = []
+    for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines(): JSON strings may hold U+2028
+        if line.strip():
+            try:
+                rows.append((f"line {lineno}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
+    return rows
 
 
 def _read_hub(name, config, split):
@@ -80,8 +71,18 @@ def _read_hub(name, config, split):
     return [(f"row {i}", dict(row)) for i, row in enumerate(rows, 1)]
 
 
-def _problems(rows, source, question_field, answer_field):
-    """Rows -> problems with the canonical keys; the first bad row raises naming source and row."""
+def load_problems(dataset, *, split="train", config=None, question_field="question", answer_field="answer"):
+    """Problems from a local file (by extension) or, when `dataset` is no existing path, a hub dataset (`split`
+    and `config` are its), with the canonical keys; the first bad row raises, naming the file and row."""
+    dataset = os.fspath(dataset)
+    if dataset.endswith(FILE_TYPES) or os.path.exists(dataset):
+        if not os.path.isfile(dataset):
+            raise FileNotFoundError(f"data file {dataset} not found")
+        if not dataset.endswith(FILE_TYPES):
+            raise ValueError(f"{dataset}: unknown file type; use one of {', '.join(FILE_TYPES)}")
+        rows, source = _read_file(dataset), dataset
+    else:
+        rows, source = _read_hub(dataset, config, split), f"{dataset} [{split}]"
     if not rows:
         raise ValueError(f"{source}: no problems in it")
     problems = []
@@ -92,52 +93,28 @@ def _problems(rows, source, question_field, answer_field):
             if field not in row:
                 raise ValueError(f"{source}, {where}: no field {field!r}; fields present: "
                                  f"{sorted(map(str, row))} (choose them with question_field / answer_field)")
-        question, answer = row[question_field], row[answer_field]
-        for field, value in ((question_field, question), (answer_field, answer)):
-            if not isinstance(value, str) or not value.strip():
-                raise ValueError(f"{source}, {where}: field {field!r} must be non-empty text, got {value!r}")
+            if not isinstance(row[field], str) or not row[field].strip():
+                raise ValueError(f"{source}, {where}: field {field!r} must be non-empty text, got {row[field]!r}")
         try:
-            true_answer(answer)  # the correctness reward needs GSM8K's '#### N' line
+            true_answer(row[answer_field])  # the correctness reward needs GSM8K's '#### N' line
         except ValueError as e:
             raise ValueError(f"{source}, {where}: {e}") from None
         rest = {k: v for k, v in row.items() if k not in (question_field, answer_field)}
-        problems.append({**rest, "question": question, "answer": answer})
+        problems.append({**rest, "question": row[question_field], "answer": row[answer_field]})
     return problems
-
-
-def load_problems(dataset, *, split="train", config=None, question_field="question", answer_field="answer"):
-    """Problems from a local file (by extension) or, when `dataset` is no existing path, a hub
-    dataset name. `split` and `config` apply to hub datasets only."""
-    dataset = os.fspath(dataset)
-    if dataset.endswith(FILE_TYPES) or os.path.exists(dataset):
-        if not os.path.isfile(dataset):
-            raise FileNotFoundError(f"data file {dataset} not found")
-        if not dataset.endswith(FILE_TYPES):
-            raise ValueError(f"{dataset}: unknown file type; use one of {', '.join(FILE_TYPES)}")
-        rows, source = _read_file(dataset), dataset
-    else:
-        rows, source = _read_hub(dataset, config, split), f"{dataset} [{split}]"
-    return _problems(rows, source, question_field, answer_field)
 
 
 def load_jsonl(path):
     """Problems from a GSM8K-format JSONL file; a bad row raises an error naming the file and line."""
-    with open(path, encoding="utf-8") as f:
-        return _problems(_json_lines(path, f.read()), path, "question", "answer")
-
-
-def chat_prompt(tokenizer, question, system_prompt=SYSTEM_PROMPT):
-    """The text the model continues: system prompt + question + the assistant's turn opener."""
-    messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return load_problems(path)
 
 
 def make_prompt(tokenizer, question, prompt_format="chat", system_prompt=SYSTEM_PROMPT):
-    """The text the model continues. chat: the chat template (instruct models); raw: plain text
-    for base models without one. Raw stops at "Assistant:", not "<think>", because the format
-    reward looks for the <think> tag in the completion."""
+    """The text the model continues. chat: the chat template with the assistant's turn opened; raw: plain text
+    (base models without a template), ending at "Assistant:": the completion is to write "<think>" itself."""
     if prompt_format == "chat":
-        return chat_prompt(tokenizer, question, system_prompt)
+        messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if prompt_format == "raw":
         return f"{system_prompt}\nUser: {question}\nAssistant:"
     raise ValueError(f"unknown prompt_format {prompt_format!r}; use 'chat' or 'raw'")
@@ -155,34 +132,23 @@ def chat_turn_end_id(tokenizer):
     return after[0] if after and after[0] in tokenizer.all_special_ids else None
 
 
-def generation_eos_ids(model):
-    """The eos ids of the model's generation config (generation_config.json, else its config.json), as vLLM
-    reads them: vLLM stops at every one of them besides the stop ids it is given. [] where the model has none."""
+def stop_token_ids(tokenizer, prompt_format="chat", model=None):
+    """The ids that end a completion, for both samplers and every mask: the tokenizer's EOS, under a chat template
+    its turn end (a base model's EOS, Qwen2.5's <|endoftext|>, is not), and the eos ids of the model's generation
+    config (model: its directory; None: the tokenizer's), at which vLLM stops too."""
     from transformers import AutoConfig, GenerationConfig
+    model = model or tokenizer.name_or_path
     try:
-        config = GenerationConfig.from_pretrained(model)
+        generation = GenerationConfig.from_pretrained(model)
     except OSError:  # no generation_config.json: vLLM builds one from config.json
         try:
-            config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model))
-        except OSError:
-            return []
-    eos = config.eos_token_id
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-
-
-def stop_token_ids(tokenizer, prompt_format="chat", model=None):
-    """The token ids that end a completion, for both samplers and every mask: the tokenizer's EOS, under a chat
-    template the turn end it writes (chat_turn_end_id), and the eos ids of the model's generation config
-    (model: its directory; None: the tokenizer's). A base model's EOS (Qwen2.5's <|endoftext|>) is not its
-    chat template's turn end: without both, a base model that closes its turn goes on writing, and the tokens
-    after the turn end are trained as if they were part of the answer. And vLLM also stops at the generation
-    config's ids (Qwen2.5-Instruct's lists <|im_end|> and <|endoftext|>): a completion ended at one the masks
-    did not know would look cut off, and its padded tail would be trained."""
-    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+            generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model))
+        except OSError:  # no config.json either
+            generation = GenerationConfig()
+    eos = generation.eos_token_id
     turn_end = chat_turn_end_id(tokenizer) if prompt_format == "chat" else None
-    for extra in [turn_end, *generation_eos_ids(model or tokenizer.name_or_path)]:
-        if extra is not None and extra not in ids:
-            ids.append(extra)
+    candidates = [tokenizer.eos_token_id, turn_end, *([eos] if isinstance(eos, int) else eos or [])]
+    ids = list(dict.fromkeys(i for i in candidates if i is not None))  # in order, once each
     if not ids:
         raise ValueError("the tokenizer has no EOS token, its chat template no turn-end token and the model's "
                          "generation config no eos_token_id: completions would never end")

@@ -1,34 +1,8 @@
-"""Rewards for "think, then answer" completions: correctness, format, answer_is, and your own.
-
-Both trainers and evaluate.py score with these functions, so a reward means the same
-thing everywhere. A completion is the model's decoded text after the prompt:
-
-    <think> 12+7=19 ... </think><answer>14</answer>
-
-- correctness: the text inside the last <answer>...</answer> equals the true answer
-  (the part after `####` in GSM8K's format), checked by math-verify, so "1,000" = 1000,
-  "3.50" = 3.5 and "7/2" = 3.5. No answer tags, no credit.
-- format: <think>...</think> then <answer>...</answer>, each tag exactly once, nothing
-  but whitespace around them.
-- answer_is: correctness in a model's own words, for a model never taught the tags: the first
-  number after the last "answer is" ("The answer is 42.", "**The final answer is: $1,000**")
-  equals the true answer, checked as correctness checks it. No such number, no credit.
-- strict (not a reward: evaluation reports it beside correctness as accuracy_strict): the text inside the
-  last <answer>...</answer> is a plain integer, "50", "-3" or "1,000" (commas only between groups of 3
-  digits), equal to the true answer. "21+29", "50.0", "$50" and "50 apples", which math-verify accepts as
-  50, are not; nor is "+7", which math-verify refuses too.
-
-Every reward function is `fn(completion: str, answer: str) -> float`, `answer` being the
-true answer ("1000" for "... #### 1,000"). Add one in a file of your own:
-
-    from simple_grpo.task.rewards import reward_function
-
-    @reward_function("length_penalty")
-    def length_penalty(completion, answer):
-        return -len(completion) / 1000
-
-load it with load_reward_file(path), and pick rewards and weights with
-`--reward_funcs correctness,format,length_penalty --reward_weights 1.0,0.5,0.1`.
+"""Rewards for "think, then answer" completions, the same for both trainers and evaluate.py: each is
+`fn(completion, answer) -> float`, of the model's text after the prompt and the true answer ("1000" for GSM8K's
+"... #### 1,000"). correctness: the last <answer>...</answer> equals it by math-verify ("1,000" = 1000, "7/2" = 3.5);
+format: <think>...</think><answer>...</answer>, each tag once; answer_is: the number after the last "answer is"
+equals it. Add your own with `@reward_function("name")` in a file --reward_file loads.
 """
 import importlib.util
 import math
@@ -41,11 +15,6 @@ from math_verify import parse, verify
 
 FORMAT_RE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-ANSWER_IS_RE = re.compile(r"\banswer\s+is", re.IGNORECASE)  # "final answer is" too; its last one counts
-# the number right after it, past spaces, ':', '**' and '$': "1,000" (thousands by 3s), "-4", "3.50"
-STATED_NUMBER_RE = re.compile(r"[\s:*$]*(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)")
-# a plain integer and nothing else: an optional minus, then digits, bare or with commas between groups of 3 ("1,000")
-INTEGER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)", re.ASCII)  # ASCII digits only
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 REWARD_FUNCS = {}  # name -> fn(completion, answer) -> float
 DEFAULT_WEIGHTS = {"correctness": 1.0, "format": 0.5}
@@ -77,27 +46,22 @@ def extract_answer(completion: str):
 
 
 def extract_stated_answer(completion: str):
-    """The number stated right after the last "answer is" ("The answer is $1,000." -> "1000"), or None
-    when there is no such phrase or no number follows it."""
-    found = list(ANSWER_IS_RE.finditer(completion))
+    """The number stated right after the last "answer is" ("final answer is" too), past spaces, ':', '**' and '$'
+    ("The answer is $1,000." -> "1000"; "-4", "3.50"), or None when there is no such phrase or no number follows it."""
+    found = list(re.finditer(r"\banswer\s+is", completion, re.IGNORECASE))
     if not found:
         return None
-    number = STATED_NUMBER_RE.match(completion, found[-1].end())
+    number = re.compile(r"[\s:*$]*(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)").match(completion, found[-1].end())
     return number.group(1).replace(",", "") if number else None
-
-
-def _timeout():
-    # math-verify's time limit uses SIGALRM, which Python allows only in the main thread.
-    return 5 if threading.current_thread() is threading.main_thread() else None
 
 
 def _equal(predicted, answer) -> float:
     """1.0 when math-verify finds `predicted` (None: nothing found) equal to `answer`, else 0.0."""
     if not predicted:
         return 0.0
-    gold = parse(answer, parsing_timeout=_timeout())
-    pred = parse(predicted, parsing_timeout=_timeout())
-    return float(bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=_timeout()))
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None  # SIGALRM: main thread only
+    gold, pred = parse(answer, parsing_timeout=timeout), parse(predicted, parsing_timeout=timeout)
+    return float(bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=timeout))
 
 
 @reward_function("correctness")
@@ -113,10 +77,11 @@ def answer_is_reward(completion: str, answer: str) -> float:
 
 
 def strict_integer_correct(completion: str, answer: str) -> float:
-    """1.0 when the tagged answer (extract_answer's, stripped) is a plain integer (INTEGER_RE) equal to
-    `answer`, else 0.0; a true answer that is not itself such an integer gets 0.0 from every completion."""
+    """evaluate.py's accuracy_strict: 1.0 when the tagged answer is a plain integer ("50", "-3", "1,000"; not
+    "21+29", "50.0", "$50" or "+7") equal to `answer` (itself such an integer), else 0.0."""
+    integer = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)", re.ASCII)  # ASCII digits, bare or with commas by 3s
     predicted = extract_answer(completion)
-    if predicted is None or not INTEGER_RE.fullmatch(predicted) or not INTEGER_RE.fullmatch(answer.strip()):
+    if predicted is None or not integer.fullmatch(predicted) or not integer.fullmatch(answer.strip()):
         return 0.0
     return float(int(predicted.replace(",", "")) == int(answer.strip().replace(",", "")))
 
@@ -162,14 +127,12 @@ def _known(names):
 def parse_reward_spec(names: str, weights: str = "") -> dict:
     """'correctness,format', '1.0,0.5' -> {"correctness": 1.0, "format": 0.5}; no weights: 1.0 each."""
     names = [n.strip() for n in names.split(",") if n.strip()]
+    parts = [w.strip() for w in weights.split(",")] if weights.strip() else ["1"] * len(names)
     if not names:
         raise ValueError("no reward functions named: give e.g. --reward_funcs correctness,format")
     if len(set(names)) != len(names):
         raise ValueError(f"a reward function is named twice in {names}")
     _known(names)
-    if not weights.strip():
-        return {name: 1.0 for name in names}
-    parts = [w.strip() for w in weights.split(",")]
     if len(parts) != len(names):
         raise ValueError(f"{len(names)} reward functions {names} but {len(parts)} weights {parts}: "
                          "give one weight per function, in the same order")
@@ -182,18 +145,6 @@ def parse_reward_spec(names: str, weights: str = "") -> dict:
     return dict(zip(names, values))
 
 
-def _reward(name, completion, answer):
-    """One reward's value; a reward that raises or returns no number is named in the error."""
-    fn = REWARD_FUNCS[name]
-    try:
-        value = fn(completion, answer)
-    except Exception as e:
-        raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
-    if not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise TypeError(f"reward function {name!r} returned {value!r}; it must return a finite number")
-    return float(value)
-
-
 def pick_accuracy_reward(weights) -> str:
     """The reward the trainers log as accuracy: the first of CORRECTNESS_REWARDS among `weights`
     (--reward_funcs answer_is: answer_is), else correctness."""
@@ -201,11 +152,17 @@ def pick_accuracy_reward(weights) -> str:
 
 
 def score(completion: str, answer: str, weights=None, report=("correctness", "format")) -> dict:
-    """Every reward named in `weights` (name -> weight, default DEFAULT_WEIGHTS) plus those in `report`,
-    weighted or not (correctness and format are in every log); `reward`: the weighted sum."""
-    weights = weights or DEFAULT_WEIGHTS
+    """Every reward named in `weights` (name -> weight, default DEFAULT_WEIGHTS) and in `report` (in every log,
+    weighted or not); `reward`: the weighted sum. A reward that raises or returns no number is named."""
+    weights, out = weights or DEFAULT_WEIGHTS, {}
     _known([*weights, *report])
-    names = dict.fromkeys([*report, *weights])  # in order, once each
-    out = {name: _reward(name, completion, answer) for name in names}
+    for name in dict.fromkeys([*report, *weights]):  # in order, once each
+        try:
+            value = REWARD_FUNCS[name](completion, answer)
+        except Exception as e:
+            raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise TypeError(f"reward function {name!r} returned {value!r}; it must return a finite number")
+        out[name] = float(value)
     out["reward"] = sum(w * out[name] for name, w in weights.items())
     return out

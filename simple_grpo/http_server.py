@@ -1,9 +1,5 @@
-"""The reference server's HTTP side: checked uploads, a shared token, bounded connections.
-
-Every upload is checked (read_rollout) before the model sees it; a bad one gets a 4xx with a one-line
-JSON reason (answer). At most max_connections are served at once (more get 429), each cut off
-conn_timeout seconds after it opened, so memory stays bounded under any flood (tests/test_ref_server_hostile.py).
-"""
+"""The reference servers' HTTP side (ref_server.py's, regroup_ver/'s): a shared token, /health, checked uploads,
+bounded connections. Each refusal is a 4xx with a one-line JSON reason."""
 import hmac
 import ipaddress
 import json
@@ -20,8 +16,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 import bottle
 
 from simple_grpo.devices import physical_gpu
-from simple_grpo.protocol import TOKEN_ENV, check_rollout, decode
-from simple_grpo.reference.fingerprint import model_fingerprint
+from simple_grpo.protocol import TOKEN_ENV, check_rollout, decode, model_fingerprint
 
 
 def answer(status, reason):
@@ -30,9 +25,8 @@ def answer(status, reason):
 
 
 def add_token_check_and_health(app, cfg, stats):
-    """With cfg.token set, every request must carry 'Authorization: Bearer TOKEN' or get 401.
-    GET /health answers JSON: the model served, its fingerprint (trainers compare it with their own model:
-    reference/fingerprint.py), its device and dtype, and the physical GPU it is on (None on a CPU)."""
+    """With cfg.token set, a request without 'Authorization: Bearer TOKEN' gets 401. GET /health says what the
+    server serves: the model, its fingerprint (protocol.check_reference), device, dtype and physical GPU."""
     started = time.time()
     about = {"model": cfg.model, "fingerprint": model_fingerprint(cfg.model), "device": cfg.device,
              "dtype": cfg.dtype, "gpu": physical_gpu(cfg.device)}
@@ -50,25 +44,22 @@ def add_token_check_and_health(app, cfg, stats):
 
 
 def read_rollout(cfg, model_config, stats):
-    """The uploaded group as (body size, tensors, meta), checked; raises a 4xx answer otherwise.
-    The body's declared size is checked before it is read."""
+    """The uploaded group as (body size, tensors, meta), checked (its declared size before it is read), or a 4xx."""
     limit = cfg.max_body_mb * 2**20
     try:
-        size = bottle.request.content_length
-    except ValueError:
-        size = -1
-    status, reason = (411, "Content-Length required") if size < 0 else \
-                     (413, f"body of {size} bytes > {cfg.max_body_mb} MB") if size > limit else (0, "")
-    if not status:
-        try:
+        size = bottle.request.content_length  # -1: none declared
+        if not 0 <= size <= limit:
+            status, reason = (411, "Content-Length required") if size < 0 else \
+                             (413, f"body of {size} bytes > {cfg.max_body_mb} MB")
+        else:
             tensors, meta = decode(bottle.request.body.read(limit))
             check_rollout(tensors, meta, model_config.vocab_size, model_config.max_position_embeddings,
                           cfg.max_group_size)
             return size, tensors, meta
-        except ValueError as e:
-            status, reason = 400, str(e)
-        except (OSError, bottle.HTTPError) as e:  # the sender hung up mid-body, or sent broken chunks
-            status, reason = 400, f"the body could not be read ({type(e).__name__})"
+    except ValueError as e:  # a Content-Length that is no number too
+        status, reason = 400, str(e)
+    except (OSError, bottle.HTTPError) as e:  # the sender hung up mid-body, or sent broken chunks
+        status, reason = 400, f"the body could not be read ({type(e).__name__})"
     stats["rejected"] += 1
     raise answer(status, reason)
 
@@ -77,17 +68,16 @@ def wait_seconds():
     """/get's ?wait=: how long to wait for a finished group (0 to 30 s)."""
     try:
         wait = float(bottle.request.query.get("wait") or 0)
+        if math.isnan(wait):
+            raise ValueError
     except ValueError:
-        wait = math.nan
-    if math.isnan(wait):
-        raise answer(400, "wait must be a number of seconds")
+        raise answer(400, "wait must be a number of seconds") from None
     return min(max(wait, 0.0), 30.0)
 
 
 class ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
-    """A thread per connection, at most max_connections at once: one more gets an immediate 429
-    and is closed. Every connection is cut conn_timeout seconds after it was accepted, so a slow
-    or stalled sender cannot keep a thread, and memory stays bounded (max_connections bodies)."""
+    """A thread per connection, at most max_connections at once (one more gets 429 and is closed), each cut off
+    conn_timeout seconds after it was accepted: a slow or stalled sender cannot keep a thread, memory stays bounded."""
     daemon_threads = True  # a waiting /get must not block uploads
     request_queue_size = 1024  # connections the kernel holds until accepted (the default, 5, drops bursts)
 
@@ -156,18 +146,14 @@ class QuietHandler(WSGIRequestHandler):
         super().send_error(400 if code == 505 else code, message, explain)
 
 
-def is_loopback(host):
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def check_exposure(cfg):
-    """cfg.token from $SIMPLE_GRPO_TOKEN where no --token is given; an address beyond loopback is refused without
-    one. Called first, before the model loads."""
+    """Before the model loads: the token (--token, else $SIMPLE_GRPO_TOKEN), needed for an address off loopback."""
     cfg.token = cfg.token or os.environ.get(TOKEN_ENV, "")
-    if not is_loopback(cfg.host) and not cfg.token:
+    try:
+        loopback = cfg.host == "localhost" or ipaddress.ip_address(cfg.host).is_loopback
+    except ValueError:  # a host name
+        loopback = False
+    if not loopback and not cfg.token:
         raise SystemExit(f"refusing to listen on {cfg.host} without a token: anyone who reaches it could feed "
                          f"the trainer. Set --token or {TOKEN_ENV} (trainers pass it as --ref_token).")
 
