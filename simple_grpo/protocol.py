@@ -192,6 +192,9 @@ def check_reference(cfg):
     if cfg.beta == 0 or theirs is None:  # no KL term; or a server that does not say what it serves
         return
     ours = model_fingerprint(cfg.model)
+    if not ours or not theirs:  # a model without safetensors files has no fingerprint
+        print(f"note: cannot check that the ref server serves {cfg.model}: no safetensors weights to compare")
+        return
     if not (differ := differences(ours, theirs)):
         return
     what = (f"the ref server at {cfg.ref_url} serves {health.get('model')}, but this run starts from {cfg.model}: "

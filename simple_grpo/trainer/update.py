@@ -117,10 +117,11 @@ def grpo_update(engine, batch, cfg):
         skipped += not stepped
     # this rank's shares of the batch's loss and token means, and its counts; stats_over_ranks adds them up
     stats.update(loss=loss, entropy=entropy / tokens, tokens=int(loss_mask.sum()))
-    if sampler_logps is not None:  # where vLLM and the trainer disagree, over the tokens vLLM gave log-probs for
+    if sampler_logps is not None:  # where vLLM and the trainer disagree (grpo_loss's mean and max where TIS is on)
         gaps = sampler_gap_details(batch["completion_ids"], loss_mask, old_logps, sampler_logps)
         gaps["sampler_gap_mean"] *= loss_mask.sum().item() / tokens  # this rank's share of the token mean
-        stats.update(gaps)
+        for key, value in gaps.items():
+            stats.setdefault(key, value)
     stats = stats_over_ranks(stats)  # the whole batch's, the same on every rank
     stats.update(step_stats(engine, norm, skipped, cfg.num_iterations))
     return stats, torch.cat(new_logps)
