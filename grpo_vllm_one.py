@@ -33,7 +33,7 @@ from simple_grpo.devices import max_over_ranks
 from simple_grpo.flags import flag, parse_flags
 from simple_grpo.generation.config import GenerationConfig
 from simple_grpo.generation.vllm_sampler import sample, start_vllm, stop_vllm
-from simple_grpo.generation.weight_sync import WeightSender, WorkerSchedule, sync_weights
+from simple_grpo.generation.weight_sync import WeightSender, WorkerSchedule
 from simple_grpo.generation.workers import (WorkerProgress, batch_worker, check_workers, local_world_size,
                                             resume_workers, start_workers, stop_workers, stream_id, take_local_group,
                                             wait_for_vllm)
@@ -57,7 +57,7 @@ from simple_grpo.trainer.update import grpo_update, reference_logps
 
 @dataclass
 class Config(GenerationConfig, TrainerConfig):
-    """grpo_vllm_one.py's flags: the trainers' (trainer/config.py), the generation worker's, and these."""
+    """grpo_vllm_one.py's flags: the trainers', the generation worker's, and these."""
     SECTIONS = {**TrainerConfig.SECTIONS, **GenerationConfig.SECTIONS, "run_name": "this script"}
     run_name: str = flag("vllm_one", "outputs go to runs/RUN_NAME/")
     threads: int = flag(1, "the trainer's CPU threads (on a CPU machine each worker's vLLM is pinned to cores of "
@@ -151,7 +151,7 @@ def main(cfg: Config):
         raise SystemExit("--regroup takes one generation worker: --gen_workers 1, --gen_every the number of ranks")
     run_id = uuid.uuid4().hex  # tells this run's groups from any other run's left in the server
     workers = start_workers(gen_worker, cfg, run_id, served) if rank % every == 0 else []  # [(process, channels)]
-    sender = WeightSender([c.weights for _, c in workers], [c.loaded for _, c in workers]) if workers else None
+    sender = WeightSender([c.weights for _, c in workers], [c.loaded for _, c in workers])
     check_alive = lambda: check_workers(workers)  # noqa: E731 - stops the run, naming a worker that died
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on `kill` too
 
@@ -170,7 +170,7 @@ def main(cfg: Config):
         generated, draws = [0] * cfg.gen_workers, [0] * cfg.gen_workers  # per worker: completions made, problems drawn
         if state is not None:  # resuming: the workers take up the checkpoint's data position and weights
             draws = resume_workers(workers, state, first_step, served, cfg)
-            sync_weights(sender, engine, first_step - 1, cfg.zero_stage, check_alive, cfg.data_timeout)
+            sender.send(engine.module, first_step - 1, cfg.zero_stage, check_alive, cfg.data_timeout)
         bar = tqdm(range(first_step, cfg.steps + 1), desc="grpo (vllm)", initial=first_step - 1, total=cfg.steps,
                    disable=rank != 0)
         trained, stop_reason = 0, None  # completions in a trained group; why the run stops early (None: it goes on)
@@ -184,9 +184,8 @@ def main(cfg: Config):
                     if waited_s > deadline:
                         raise SystemExit(f"no batch for rank {rank} came from the ref server in {deadline:.0f} s")
                     return
-                stop_reason = progress.update(step)
-                if stop_reason:
-                    raise SystemExit(stop_reason)
+                if doctors_word := progress.update(step):  # the run doctor stops the run
+                    raise SystemExit(doctors_word)
                 bar.set_description_str(progress.describe(step, waited_s))
                 progress.check_deadline(waited_s)
             k = batch_worker(step, rank, served, cfg)
@@ -228,7 +227,7 @@ def main(cfg: Config):
             # GRPO 5. send the new weights (in memory) every --sync_every steps; the worker loads them when the
             # batch they sample is next (WorkerSchedule)
             if step % cfg.sync_every == 0 and step < cfg.steps:
-                sync_weights(sender, engine, step, cfg.zero_stage, check_alive, cfg.data_timeout)
+                sender.send(engine.module, step, cfg.zero_stage, check_alive, cfg.data_timeout)
             record = {"step": step, **meta["rollout_figures"], **update_stats, "policy_lag": step - 1 - oldest,
                       "batch": meta["batch_index"], "worker": meta["worker"], "generated": sum(generated),
                       "trained": trained, "wait_s": wait_s, "compute_s": compute_s, "ref_s": ref_s,

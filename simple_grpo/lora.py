@@ -44,24 +44,20 @@ def weight_groups(module):
     submodule (a LoRA layer's adapters among its parameters, not its weights); weights: [(name, tensor,
     lora_layer)], name a plain HF model's, tensor the module's own (ZeRO-3: a shard until gathered), lora_layer
     the PEFT layer whose adapters merge into it, else None."""
-    from peft.tuners.lora import LoraLayer
-    is_peft = hasattr(module, "peft_config")
     groups = {}  # the group's module name: (parameters, weights)
     for key, tensor in module.state_dict(keep_vars=True).items():
         owner = key.rpartition(".")[0]  # the submodule that holds it
         for part in (".base_layer.", ".lora_"):  # PEFT: q_proj.base_layer.weight, q_proj.lora_A.default.weight
-            if is_peft and part in key:
+            if part in key:
                 owner = key.split(part)[0]  # the LoRA layer, q_proj
                 break
         parameters, weights = groups.setdefault(owner, ([], []))
         if isinstance(tensor, torch.nn.Parameter):
             parameters.append(tensor)
-        if is_peft and ".lora_" in key:
+        if ".lora_" in key:
             continue  # an adapter: merged into its layer's weight, not sent
-        layer = module.get_submodule(owner)
-        merges = isinstance(layer, LoraLayer) and key.endswith(".base_layer.weight")
-        name = key.removeprefix("base_model.model.").replace(".base_layer.", ".") if is_peft else key
-        weights.append((name, tensor, layer if merges else None))
+        lora_layer = module.get_submodule(owner) if key.endswith(".base_layer.weight") else None
+        weights.append((key.removeprefix("base_model.model.").replace(".base_layer.", "."), tensor, lora_layer))
     return list(groups.values())
 
 

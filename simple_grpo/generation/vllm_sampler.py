@@ -21,11 +21,9 @@ def quiet_vllm():
 
 def start_vllm(cfg, compile=False, block_size=None, max_seqs=None):
     """An in-process vLLM engine (weights can be handed to it directly) that reports the log-probs of sampled
-    tokens after temperature, as the trainer computes them. On a CPU it runs eagerly unless compile.
-    block_size: KV-cache tokens per block (None: CPU_BLOCK_SIZE on a CPU, vLLM's default on a GPU); the G
-    completions of a prompt share its cache one whole block at a time, and vLLM's CPU default, 128, is longer
-    than the tiny task's prompts. max_seqs: vLLM's max_num_seqs (None: its default); vLLM sizes its start-up
-    memory profile by it, so the trainer passes its batch's completions."""
+    tokens after temperature, as the trainer computes them; on a CPU eager unless compile. block_size: None is
+    CPU_BLOCK_SIZE on a CPU (a prompt's G completions share its KV cache a whole block at a time), vLLM's default
+    on a GPU. max_seqs: vLLM's max_num_seqs, by which it sizes its start-up memory profile (None: its default)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     quiet_vllm()
@@ -41,12 +39,10 @@ def start_vllm(cfg, compile=False, block_size=None, max_seqs=None):
 
 def stop_vllm(llm):
     """Shut an in-process engine down before its process exits: its engine core, then the torch.distributed
-    groups it set up (left alive, torch warns at exit that destroy_process_group() was not called)."""
-    llm.llm_engine.engine_core.shutdown()  # the in-process engine core (newer vLLM also destroys its groups)
+    groups (vLLM's and the default one; left alive, torch warns at exit that they were not destroyed)."""
+    llm.llm_engine.engine_core.shutdown()
     from vllm.distributed import cleanup_dist_env_and_memory
-    cleanup_dist_env_and_memory()  # vLLM's groups (tensor-parallel, world), then the default one
-    if torch.distributed.is_initialized():  # whatever vLLM version left it
-        torch.distributed.destroy_process_group()
+    cleanup_dist_env_and_memory()
 
 
 def sample(llm, prompts, cfg, stop_ids=None):

@@ -1,10 +1,5 @@
-"""The trainer's weights to the generation workers, in memory, and which weights sample which batch.
-
-The trainer copies its weights one at a time (LoRA: each merged just before its copy; ZeRO-3: a module gathered at a
-time) into one of two flat buffers in shared memory that every worker maps, and puts only (version, buffer index) on
-each worker's queue (WeightSender). A worker loads a version into its running vLLM when its WorkerSchedule says that
-version samples its next batch.
-"""
+"""The trainer's weights to the generation workers through shared memory (WeightSender, receive_weights), and which
+weights sample which batch (WorkerSchedule)."""
 import contextlib
 import math
 import queue
@@ -36,15 +31,27 @@ def tensors_in(buffer, layout):
 
 
 class WeightSender:
-    """The trainer's end: two shared buffers used in turn, one refilled only once every worker has loaded the
-    version it holds or passed it over (`loaded`: a shared integer per worker), so no worker reads weights
-    being overwritten."""
+    """The trainer's end, one per rank: the weights are copied one at a time (LoRA: each merged just before its
+    copy) into one of two flat buffers in shared memory that its workers map, and only (version, buffer index) goes
+    on each worker's queue. A buffer is refilled only once every worker has loaded the version it holds or passed
+    it over (`loaded`: a shared integer per worker)."""
 
     def __init__(self, queues, loaded):
         self.queues, self.loaded = queues, loaded  # one of each per worker
         self.buffers, self.held, self.layout, self.syncs = None, [-1, -1], None, 0
 
     def send(self, module, version, zero_stage=0, check_alive=lambda: None, timeout=600.0):
+        """Every rank calls it: under ZeRO-3 each takes part in gathering one module at a time (a rank with no
+        workers only that)."""
+        gather = contextlib.nullcontext
+        if zero_stage == 3:  # ZeRO-3 keeps each parameter in shards: gather one module's whole while it is copied
+            import deepspeed
+            gather = deepspeed.zero.GatheredParameters
+        if not self.queues:
+            for parameters, _ in weight_groups(module):  # the gathers merged_weights makes, in its order
+                with gather(parameters):
+                    pass
+            return
         if self.buffers is None:  # first sync: allocate, and hand the workers the buffers once
             self.layout, size = weight_layout(merged_shapes(module))
             check_shared_memory(2 * size)
@@ -59,10 +66,6 @@ class WeightSender:
                 raise SystemExit(f"a generation worker has not loaded weights version {self.held[i]} in "
                                  f"{timeout:.0f} s (--data_timeout; it has {slowest}): see its log above")
             time.sleep(0.001)
-        gather = contextlib.nullcontext
-        if zero_stage == 3:  # ZeRO-3 keeps each parameter in shards: gather one module's whole while it is copied
-            import deepspeed
-            gather = deepspeed.zero.GatheredParameters
         views = tensors_in(self.buffers[i], self.layout)
         with torch.no_grad():
             for name, weight in merged_weights(module, gather):  # with LoRA: base + adapters, merged
@@ -71,18 +74,6 @@ class WeightSender:
         self.held[i] = version
         for q in self.queues:
             q.put(("weights", version, i))
-
-
-def sync_weights(sender, engine, version, zero_stage, check_alive, timeout):
-    """Every rank calls it: under ZeRO-3 every rank takes part in the gathers, in the sender's order; a rank that
-    runs workers (sender not None) sends the weights to them."""
-    if sender is not None:
-        sender.send(engine.module, version, zero_stage, check_alive, timeout)
-    elif zero_stage == 3:
-        import deepspeed
-        for parameters, _ in weight_groups(engine.module):  # the gathers merged_weights makes, in its order
-            with deepspeed.zero.GatheredParameters(parameters):
-                pass
 
 
 def receive_weights(llm, message, shared, loaded):
@@ -112,13 +103,10 @@ def sampling_version(batch_index, cfg):
 
 
 class WorkerSchedule:
-    """A generation worker's weights and batch numbers (the timeline: docs/guide.md, "Which weights sample which
-    batch"). Version v is the weights after step v (0: the starting model). The worker's batches are numbered
-    b = first_batch_index, + gen_workers, ...; with n ranks served, batch b is rank b % n's number b // n, sampled
-    by exactly sampling_version(b // n), so which weights sample which batch never depends on which process is
-    faster. The worker waits while its weights are older than that; newer weights are held back until the batch
-    is sampled; older ones (another worker's) are passed over unloaded. With --regroup it neither waits nor holds
-    back (the regrouping server bounds the staleness)."""
+    """A generation worker's weights and batch numbers (docs/guide.md: "Which weights sample which batch"). Version
+    v is the weights after step v. Batch b (first_batch_index, + gen_workers, ...; rank b % n's number b // n) is
+    sampled by sampling_version(b // n), whichever process is faster: the worker waits for it, holds newer weights
+    back, and passes older ones (another worker's) over. --regroup: no wait, nothing held back."""
 
     def __init__(self, cfg, llm, channels, n_ranks, first_batch_index, draw):
         self.cfg, self.llm, self.channels, self.n, self.draw = cfg, llm, channels, n_ranks, draw

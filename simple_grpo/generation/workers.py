@@ -1,8 +1,6 @@
-"""grpo_vllm_one.py's generation workers, as the trainer sees them: spawned processes (fresh interpreters, so CUDA
-and vLLM start cleanly) on GPU(s) or CPU cores of their own, which of them makes which rank's batch, what they
-report while the trainer waits (WorkerProgress), and their stop. A worker talks to the trainer only through its
-Channels, and exits when the trainer asks (channels.stop) or is gone.
-"""
+"""grpo_vllm_one.py's generation workers as the trainer sees them: spawned processes (fresh interpreters, so CUDA and
+vLLM start cleanly) that talk to it only through their Channels; which makes which rank's batch; what they report
+while the trainer waits (WorkerProgress); their stop."""
 import dataclasses
 import os
 import queue
@@ -146,14 +144,12 @@ def stop_workers(workers, grace=10):
     try:
         join_all(workers, grace)
         for worker, _ in workers:
-            if worker.is_alive():
-                worker.terminate()
+            worker.terminate()  # a no-op on one that has exited
         join_all(workers, grace)
     finally:
         for worker, _ in workers:
-            if worker.is_alive():
-                worker.kill()
-                worker.join(timeout=10)
+            worker.kill()
+            worker.join(timeout=10)
 
 
 def join_all(workers, seconds):
