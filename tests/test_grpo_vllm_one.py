@@ -190,6 +190,11 @@ def test_a_sync_interval_the_staleness_bound_cannot_wait_for_is_refused():
         Config(sync_every=3, max_policy_lag=1)
 
 
+def test_an_unknown_startup_order_is_refused_before_any_process_starts():
+    with pytest.raises(SystemExit, match="unknown --startup_order 'first'"):
+        Config(startup_order="first")
+
+
 def test_killing_the_worker_stops_the_trainer_with_a_message(server):  # noqa: F811
     metrics = os.path.join(ROOT, "runs", "test_kill_worker", "metrics.jsonl")
     if os.path.exists(metrics):

@@ -34,6 +34,8 @@ class GenerationConfig:
             raise SystemExit(f"--gen_tp {self.gen_tp}: grpo_vllm_one.py syncs weights only into a vLLM of one GPU "
                              "(--gen_tp 1). For more sampling, run --gen_workers K: K one-GPU vLLM workers, each with "
                              "its own copy of the weights; for a model too big for one GPU, vLLM needs a larger GPU")
+        if self.startup_order not in ("auto", "vllm_first", "together"):
+            raise SystemExit(f"unknown --startup_order {self.startup_order!r}: use auto, vllm_first or together")
         if self.max_policy_lag < self.sync_every - 1:
             raise SystemExit(f"--max_policy_lag {self.max_policy_lag} < --sync_every - 1 = {self.sync_every - 1}: the "
                              "worker would wait for weights the trainer cannot make without its batches")
