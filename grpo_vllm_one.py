@@ -11,10 +11,10 @@ posts the groups to the ref server, which adds the reference log-probs (where no
 the trainer straight). The trainer (main) does `3.` take the batch, `4.` the update (the loss: grpo_math.py) and
 `5.` send the new weights to the worker, in memory. The lines so marked are the algorithm; the rest is plumbing.
 
-While the trainer computes step s, the worker samples the batch of step s+1 with weights at most --max_policy_lag
-versions older (generation/weight_sync.py's WorkerSchedule). The update weights each token by min(pi_old / pi_vLLM,
---tis_cap), capped importance sampling for that lag and the two engines' numerics: biased where the cap binds,
-and the KL term is not reweighted.
+While the trainer computes step s, the worker samples the batch of step s+1, with weights at most --max_policy_lag
+versions behind those that train on it (generation/weight_sync.py's WorkerSchedule). The update weights each token
+by min(pi_old / pi_vLLM, --tis_cap), capped importance sampling for that lag and the two engines' numerics: biased
+where the cap binds, and the KL term is not reweighted.
 """
 import dataclasses
 import os
@@ -60,8 +60,8 @@ class Config(GenerationConfig, TrainerConfig):
     """grpo_vllm_one.py's flags: the trainers', the generation worker's, and these."""
     SECTIONS = {**TrainerConfig.SECTIONS, **GenerationConfig.SECTIONS, "run_name": "this script"}
     run_name: str = flag("vllm_one", "outputs go to runs/RUN_NAME/")
-    threads: int = flag(1, "the trainer's CPU threads (on a CPU machine each worker's vLLM is pinned to cores of "
-                           "its own, --gen_threads; the trainer is not kept off them)")
+    threads: int = flag(1, "the trainer's CPU threads (on a CPU machine each worker is pinned to --gen_threads "
+                           "cores; the trainer is not pinned)")
     time_phases: bool = flag(False, "time each update by phase (forward, log_softmax, recompute, backward, loss, "
                                     "optimizer) into metrics.jsonl; on a GPU it waits for the GPU at each phase's end")
     profile_step: int = flag(0, "CUDA: profile this step's update (torch.profiler, slower), its GPU's idle seconds "

@@ -11,7 +11,8 @@ class GenerationConfig:
     gen_tp: int = flag(1, "vLLM tensor-parallel size; only 1: the weight sync reaches one in-process vLLM (more "
                           "GPUs for sampling: --gen_workers K, each worker on a GPU of its own)")
     gen_every: int = flag(0, "one generation worker per this many trainer ranks (0: one per node)")
-    gen_workers: int = flag(1, "generation workers (vLLM engines) per trainer, each on GPU(s) or CPU cores of its own")
+    gen_workers: int = flag(1, "generation workers (vLLM engines) per trainer: each on GPU(s) of its own, or pinned to "
+                               "--gen_threads CPU cores")
     gen_threads: int = flag(1, "CPU machines: cores for each worker's vLLM (worker 0: the last ones, 1: those before)")
     gen_compile: bool = flag(False, "CPU machines: torch.compile vLLM's model (a slower start, faster sampling; "
                                     "on a GPU vLLM always compiles)")

@@ -110,7 +110,7 @@ def place_worker(cfg, k):
 
 def run_on_cores(cores, parent_pid, target, *args):
     """The worker process's entry: pinned to its cores (every thread it starts too), it exits through Python on
-    SIGTERM (so its multiprocessing objects are released) and at once when the trainer is gone; runs target."""
+    SIGTERM (so its multiprocessing objects are released) and within a second of the trainer's end; runs target."""
     if cores is not None:
         os.sched_setaffinity(0, cores)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -167,7 +167,8 @@ def wait_for_vllm(workers, cfg, say=print):
     if not workers or order == "together" or (order == "auto" and not any(c.shares_gpu for _, c in workers)):
         return
     status, started, taken, said = workers[0][1].status, time.time(), [], -10.0
-    why = "vLLM shares this trainer's GPU and measures its free memory" if order == "auto" else "--startup_order vllm_first"
+    why = ("vLLM shares this trainer's GPU and measures its free memory" if order == "auto"
+           else "--startup_order vllm_first")
     while sum(kind == "ready" for kind, _ in taken) < len(workers):
         waited = time.time() - started
         if waited > cfg.startup_timeout:
