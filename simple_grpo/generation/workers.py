@@ -10,6 +10,7 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.multiprocessing as mp
@@ -63,15 +64,10 @@ def start_workers(target, cfg, *args):
         channels = Channels(weights=ctx.Queue(), groups=ctx.Queue(), status=status, loaded=ctx.Value("i", 0),
                             stop=stop)
         worker_cfg, env, cores, channels.shares_gpu = place_worker(cfg, k)
-        saved = {name: os.environ.get(name) for name in env}
-        os.environ.update(env)  # a spawned child takes the parent's environment at start
-        try:
+        with mock.patch.dict(os.environ, env):  # a spawned child takes the parent's environment at start
             worker = ctx.Process(target=run_on_cores, name=f"gen_worker_{k}",
                                  args=(cores, os.getpid(), target, worker_cfg, *args, k, channels))
             worker.start()
-        finally:
-            for name, value in saved.items():
-                os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
         print(f"generation worker {k}: pid {worker.pid}")
         workers.append((worker, channels))
     return workers
