@@ -1,37 +1,20 @@
 r"""grpo_vllm_one.py: the fast GRPO trainer. vLLM generates the next batches while DeepSpeed trains.
 
-    python ref_server.py &                 # the frozen reference model (the tiny default), 127.0.0.1:59875
+    python ref_server.py &                 # the frozen reference model (the tiny default)
     python grpo_vllm_one.py                # tiny default model and toy task, on CPU
     python ref_server.py --model Qwen/Qwen2.5-0.5B &      # GPU 0; the server must hold the trainer's --model
     deepspeed --include localhost:2 grpo_vllm_one.py --gen_device 1 --model Qwen/Qwen2.5-0.5B \
         --dataset openai/gsm8k --dataset_config main      # the trainer on GPU 2, vLLM on GPU 1
 
-Three processes, one pipeline (ref_server.py is the third; with --beta 0 there is none):
+The generation worker (gen_worker, a process of its own) does `# GRPO 1.` sample and `2.` score and group, and
+posts the groups to the ref server, which adds the reference log-probs (where no server is used, the groups go to
+the trainer straight). The trainer (main) does `3.` take the batch, `4.` the update (the loss: grpo_math.py) and
+`5.` send the new weights to the worker, in memory. The lines so marked are the algorithm; the rest is plumbing.
 
-  generation worker (vLLM, its own device)        trainer (DeepSpeed, rank 0)
-  ---------------------------------------------   ----------------------------------------
-  sample G completions per prompt with their      take a batch from the ref server (FIFO)
-  log-probs; score; post groups to ref server ->  (ref server adds ref_logps)
-  load new weights when they come             <-  GRPO update; every sync_every steps,
-                                                  send the full weights in memory
-
-While the trainer computes step s, the worker already samples the batch for step s+1 with
-slightly older weights (never more than `max_policy_lag` versions: the timeline is WorkerSchedule's
-docstring, simple_grpo/generation/schedule.py). Each rollout carries the policy version and vLLM's
-log-probs (sampler_logps); the update weights each token by min(pi_old / pi_vLLM, tis_cap) (capped
-importance sampling, the literature's "truncated" IS): the mismatch from the lag and the two engines'
-numerics is corrected where the ratio is below the cap and bounded above it (biased there); the KL term is not
-reweighted.
-Where sampling is the slow part, --gen_workers K runs K workers that make the batches in turn.
-
-Every step, in order: the worker's `# GRPO 1.` sample, `2.` score and group, then post; the trainer's
-`3.` take the batch with its reference log-probs, `4.` the update, `5.` send the new weights.
-Read the lines marked `# GRPO n.` for the algorithm (the loss itself: grpo_math.py); the rest is
-plumbing from simple_grpo/: the worker processes (generation/workers.py), the weight channel
-(generation/weight_sync.py), the waits (generation/progress.py), the run doctor (run/doctor.py).
-At start it prints every number of a step as one block, and why for each default it derived from other flags
-(trainer/config.py's check_options);
-runs/NAME/config.json holds every flag as resolved. vLLM logs only its errors unless VLLM_LOGGING_LEVEL is set.
+While the trainer computes step s, the worker samples the batch of step s+1, with weights at most --max_policy_lag
+versions behind those that train on it (generation/weight_sync.py's WorkerSchedule). The update weights each token
+by min(pi_old / pi_vLLM, --tis_cap), capped importance sampling for that lag and the two engines' numerics: biased
+where the cap binds, and the KL term is not reweighted.
 """
 import dataclasses
 import os
@@ -49,12 +32,11 @@ from grpo_math import completion_mask, is_truncated
 from simple_grpo.devices import max_over_ranks
 from simple_grpo.flags import flag, parse_flags
 from simple_grpo.generation.config import GenerationConfig
-from simple_grpo.generation.progress import WorkerProgress
-from simple_grpo.generation.schedule import WorkerSchedule, batch_worker, stream_id
 from simple_grpo.generation.vllm_sampler import sample, start_vllm, stop_vllm
-from simple_grpo.generation.weight_sync import WeightSender, sync_weights
-from simple_grpo.generation.workers import (check_workers, draws_to_resume, local_world_size, start_workers,
-                                            stop_workers, take_local_group, wait_for_vllm, watch_parent)
+from simple_grpo.generation.weight_sync import WeightSender, WorkerSchedule
+from simple_grpo.generation.workers import (WorkerProgress, batch_worker, check_workers, local_world_size,
+                                            resume_workers, start_workers, stop_workers, stream_id, take_local_group,
+                                            wait_for_vllm)
 from simple_grpo.protocol import check_reference, post_groups, take_group, uses_ref_server
 from simple_grpo.rollouts import collate, correct_rows, make_groups, rollout_stats, score_groups
 from simple_grpo.run.checkpoints import check_run_dir, open_run, save_checkpoint
@@ -73,11 +55,11 @@ from simple_grpo.trainer.update import grpo_update, reference_logps
 
 @dataclass
 class Config(GenerationConfig, TrainerConfig):
-    """grpo_vllm_one.py's flags: the trainers' (simple_grpo/trainer/config.py), the generation worker's
-    (simple_grpo/generation/config.py), and these."""
+    """grpo_vllm_one.py's flags: the trainers', the generation worker's, and these."""
     SECTIONS = {**TrainerConfig.SECTIONS, **GenerationConfig.SECTIONS, "run_name": "this script"}
     run_name: str = flag("vllm_one", "outputs go to runs/RUN_NAME/")
-    threads: int = flag(1, "the trainer's CPU threads (on a CPU machine the worker has cores of its own)")
+    threads: int = flag(1, "the trainer's CPU threads (on a CPU machine each worker is pinned to --gen_threads "
+                           "cores; the trainer is not pinned)")
     time_phases: bool = flag(False, "time each update by phase (forward, log_softmax, recompute, backward, loss, "
                                     "optimizer) into metrics.jsonl; on a GPU it waits for the GPU at each phase's end")
     profile_step: int = flag(0, "CUDA: profile this step's update (torch.profiler, slower), its GPU's idle seconds "
@@ -85,14 +67,9 @@ class Config(GenerationConfig, TrainerConfig):
 
 
 # ---------------------------------------------------------------------------- generation worker
-def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
-    """Worker process number `worker`: take new weights (schedule), then GRPO 1 sample, 2 score and group, and
-    post the groups to the ref server (or, with beta 0, hand them to the trainer through channels.groups)
-    for the trainer ranks `ranks`.
-    With K workers it makes batches worker, worker + K, ...; every batch, kept or dropped, is reported
-    on channels.status (generation/progress.py)."""
-    watch_parent(parent_pid)  # a trainer killed without clean-up must not leave this process behind
-
+def gen_worker(cfg, run_id, ranks, worker, channels):
+    """Generation worker number `worker` (a process of its own) for the trainer ranks `ranks`: take new weights,
+    then GRPO 1 sample, 2 score and group, and post the groups; report each batch on channels.status."""
     # the trainer notices a dead ref server first, and names it, if this process waits longer
     cfg = dataclasses.replace(cfg, peer_timeout=cfg.peer_timeout + 15)
     t0 = time.time()
@@ -103,10 +80,8 @@ def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
     check_options(cfg)  # this process loads the reward file too
     reward_weights, problems = parse_reward_spec(cfg.reward_funcs, cfg.reward_weights), load_data(cfg)
     rng, G = random.Random(cfg.seed + ranks[0] + 1000 * worker), cfg.num_generations  # each worker its own draws
-    generated, ask_again = 0, []  # completions made so far; regroup: questions to ask once more
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    n = len(ranks)  # batch b goes to rank ranks[b % n]
-    # which weights sample which batch, and when to wait for them (its docstring has the timeline)
+    generated, ask_again = 0, []  # completions made so far; --regroup: questions to ask once more
+    world, n = int(os.environ.get("WORLD_SIZE", "1")), len(ranks)  # batch b goes to rank ranks[b % n]
     schedule = WorkerSchedule(cfg, llm, channels, n, first_batch_index=worker,
                               draw=lambda: rng.sample(problems, cfg.batch_prompts))
     while not channels.stop.is_set():
@@ -125,8 +100,7 @@ def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
         # GRPO 2. score them; group-relative advantages; groups whose rewards are all alike are dropped
         rewards, scores = score_groups(texts, batch_problems, G, reward_weights)
         meta = {"run_id": stream_id(run_id, ranks[schedule.batch_index % n], world, cfg, worker),
-                "policy_version": schedule.version,
-                "temperature": cfg.temperature, "worker": worker}
+                "policy_version": schedule.version, "temperature": cfg.temperature, "worker": worker}
         groups, has_signal = make_groups(prompt_rows, completion_ids, until_stop, rewards, G, meta, sampler_logps,
                                          keep_equal=cfg.regroup, scale_rewards=cfg.scale_rewards, scores=scores,
                                          estimator=cfg.advantage_estimator, eps=cfg.advantage_eps,
@@ -137,31 +111,24 @@ def gen_worker(cfg, run_id, ranks, worker, channels, parent_pid):
                                            pick_accuracy_reward(reward_weights)),
                            "weights_load_s": schedule.load_s, "generated": generated}  # for the trainer's log
         channels.status.put(("batch", {**batch_summary(rewards, scores, texts, has_signal), "posted": len(groups)}))
-        if cfg.regroup:  # a second round for the fresh questions whose answers all scored alike but
-            # differ: the model is unsure of those, and another round may bring another reward
+        if cfg.regroup:  # ask again the fresh questions whose answers differ though they all scored alike
             answers = [extract_answer(text) for text in texts]
             ask_again = [p for q, p in enumerate(batch_problems[:cfg.batch_prompts])
                          if not has_signal[q] and len(set(answers[q * G:(q + 1) * G])) > 1]
-        # post: to the trainer through the ref server (it adds ref_logps), or straight (beta 0)
         for _, m in groups:  # the trainer takes groups_in_batch groups as one batch
             m.update(batch_index=schedule.batch_index, draws=schedule.draws, groups_in_batch=len(groups),
                      rollout_figures=rollout_figures)
-        if groups and uses_ref_server(cfg):
-            post_groups(cfg, groups)
-        for group in groups if not uses_ref_server(cfg) else []:
-            channels.groups.put(group)  # local: tensors travel in shared memory, nothing is pickled over a network
+        if uses_ref_server(cfg):
+            post_groups(cfg, groups)  # the ref server adds ref_logps
+        else:
+            for group in groups:
+                channels.groups.put(group)  # the tensors travel in shared memory
         schedule.sampled(kept=bool(groups))  # a batch with no group kept is sampled again
     stop_vllm(llm)  # the engine and its process groups, before this process exits
 
 
 # ---------------------------------------------------------------------------- training
 def main(cfg: Config):
-    if cfg.max_policy_lag < cfg.sync_every - 1:
-        raise SystemExit(f"max_policy_lag={cfg.max_policy_lag} < sync_every-1={cfg.sync_every - 1}: the worker would "
-                         f"wait for weights the trainer cannot make without its batches")
-    # several ranks (deepspeed --num_gpus N): each node's local rank 0 (or every gen_every-th rank)
-    # runs a generation worker that makes a batch per rank it serves, tagged with that rank's run_id;
-    # the ref server hands each rank its own; DeepSpeed averages the gradients
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     check_options(cfg)  # bad options and data fail here, before any process starts
     if world > 1 and not uses_ref_server(cfg):
@@ -174,36 +141,34 @@ def main(cfg: Config):
         check_reference(cfg)  # fail fast if the server is absent, or serves another model than ours
     if cfg.preflight and rank == 0:
         preflight(cfg)
-    run_id = uuid.uuid4().hex  # tells this run's groups from any another run left in the server
-    # one worker per gen_every ranks (default: per node, on its local rank 0) serves those ranks
+    # one worker set per gen_every ranks (default: per node), started by the first of them, makes the batches of
+    # the ranks it serves (several ranks: DeepSpeed averages their gradients)
     every = cfg.gen_every or local_world_size(world)
     served = list(range(rank - rank % every, min(rank - rank % every + every, world)))
     if cfg.regroup and (every < world or cfg.gen_workers > 1):
         raise SystemExit("--regroup takes one generation worker: --gen_workers 1, --gen_every the number of ranks")
+    run_id = uuid.uuid4().hex  # tells this run's groups from any other run's left in the server
     workers = start_workers(gen_worker, cfg, run_id, served) if rank % every == 0 else []  # [(process, channels)]
-    sender = WeightSender([c.weights for _, c in workers], [c.loaded for _, c in workers]) if workers else None
+    sender = WeightSender([c.weights for _, c in workers], [c.loaded for _, c in workers])
     check_alive = lambda: check_workers(workers)  # noqa: E731 - stops the run, naming a worker that died
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on `kill` too
 
     try:
         wait_for_vllm(workers, cfg)  # on a GPU it shares with vLLM, the trainer loads once vLLM is up
         engine, tokenizer = make_engine(cfg)
-        if world > 1:  # every rank takes its batches under the run_id of the worker that serves it
+        if world > 1:  # every rank takes its batches under the run_id of the rank that started its worker
             run_ids = [None] * world
             dist.all_gather_object(run_ids, run_id)
             run_id = run_ids[rank - rank % every]
         run_dir, metrics_path, first_step, state = open_run(cfg, engine)
         stop_ids = stop_token_ids(tokenizer, cfg.prompt_format, cfg.model)  # the worker's, for the masks
         doctor = RunDoctor(cfg, metrics_path) if rank == 0 else None  # plain-language warnings (run/doctor.py)
-        progress = WorkerProgress(workers[0][1].status, cfg, doctor) if workers else None  # generation/progress.py
+        progress = WorkerProgress(workers[0][1].status, cfg, doctor) if workers else None
         tracker = Tracker(cfg, run_dir) if rank == 0 and cfg.report_to != "none" else None  # tensorboard/wandb
         generated, draws = [0] * cfg.gen_workers, [0] * cfg.gen_workers  # per worker: completions made, problems drawn
         if state is not None:  # resuming: the workers take up the checkpoint's data position and weights
-            draws = draws_to_resume(state, cfg.gen_workers)
-            for k, (_, channels) in enumerate(workers):
-                next_batch = (first_step - 1) * len(served)
-                channels.weights.put(("resume", next_batch + (k - next_batch) % cfg.gen_workers, draws[k]))
-            sync_weights(sender, engine, first_step - 1, cfg.zero_stage, check_alive, cfg.data_timeout)
+            draws = resume_workers(workers, state, first_step, served, cfg)
+            sender.send(engine.module, first_step - 1, cfg.zero_stage, check_alive, cfg.data_timeout)
         bar = tqdm(range(first_step, cfg.steps + 1), desc="grpo (vllm)", initial=first_step - 1, total=cfg.steps,
                    disable=rank != 0)
         trained, stop_reason = 0, None  # completions in a trained group; why the run stops early (None: it goes on)
@@ -217,9 +182,8 @@ def main(cfg: Config):
                     if waited_s > deadline:
                         raise SystemExit(f"no batch for rank {rank} came from the ref server in {deadline:.0f} s")
                     return
-                stop_reason = progress.update(step)
-                if stop_reason:
-                    raise SystemExit(stop_reason)
+                if doctors_word := progress.update(step):  # the run doctor stops the run
+                    raise SystemExit(doctors_word)
                 bar.set_description_str(progress.describe(step, waited_s))
                 progress.check_deadline(waited_s)
             k = batch_worker(step, rank, served, cfg)
@@ -244,13 +208,13 @@ def main(cfg: Config):
                 draws[m["worker"]] = max(draws[m["worker"]], m["draws"])
 
             batch = collate(groups, tokenizer.pad_token_id)
-            # the tokens the loss counts: each completion up to its stop token (grpo_math.completion_mask; with
-            # --mask_truncated_completions none of one cut off at --max_new_tokens), built once for the step
+            # the tokens the loss counts: each completion up to its stop token (--mask_truncated_completions: none
+            # of one cut off at --max_new_tokens)
             batch["loss_mask"] = completion_mask(batch["completion_ids"], stop_ids, cfg.mask_truncated_completions)
             t_ref = time.time()
             if cfg.beta != 0 and not uses_ref_server(cfg):  # LoRA: the base model, adapters off
                 batch["ref_logps"] = reference_logps(engine, batch, cfg)
-            ref_s = time.time() - t_ref  # this trainer's reference pass (LoRA); a ref server's is in its /stats
+            ref_s = time.time() - t_ref
 
             # GRPO 4. the update: grpo_math.grpo_loss on the batch, one optimizer step. The ratio's old_logps are
             # the trainer's own; vLLM's sampler_logps weight each token (--tis_cap; with 0 they are old_logps)
@@ -261,10 +225,10 @@ def main(cfg: Config):
                 update_stats, logps = grpo_update(engine, batch, cfg)
             compute_s = time.time() - t0 - wait_s
 
-            # GRPO 5. send the new weights (in memory): version `step` samples the batches trained at steps
-            # step + L + 2 - k to step + L + 1 (L: --max_policy_lag, k: --sync_every; the defaults: step + 2)
+            # GRPO 5. send the new weights (in memory) every --sync_every steps; the worker loads them when the
+            # batch they sample is next (WorkerSchedule)
             if step % cfg.sync_every == 0 and step < cfg.steps:
-                sync_weights(sender, engine, step, cfg.zero_stage, check_alive, cfg.data_timeout)
+                sender.send(engine.module, step, cfg.zero_stage, check_alive, cfg.data_timeout)
             record = {"step": step, **meta["rollout_figures"], **update_stats, "policy_lag": step - 1 - oldest,
                       "batch": meta["batch_index"], "worker": meta["worker"], "generated": sum(generated),
                       "trained": trained, "wait_s": wait_s, "compute_s": compute_s, "ref_s": ref_s,

@@ -1,16 +1,9 @@
-"""LoRA (--use_peft): the policy is a frozen base model plus low-rank adapters, and only the adapters train.
+"""LoRA (--use_peft): a frozen base model plus low-rank adapters (PEFT), and only the adapters train.
 
-Each adapted linear layer computes W x + (lora_alpha / lora_r) * B A x, with W frozen and A (r x in),
-B (out x r) trained; B starts at zero, so step 0's policy is the base model exactly. PEFT does the
-wrapping. Two things follow for GRPO:
-- the reference model is free: the same model with its adapters switched off is the base, exactly as
-  loaded, so the KL term needs no second copy of the weights and no reference server
-  (trainer/update.py's reference_logps);
-- gradients, Adam's moments and fp32 master weights exist only for A and B (the memory plan counts them).
-vLLM samples with the adapters merged into the weights it already holds: the weight sync makes each merged
-weight as it copies it (merged_weights; generation/weight_sync.py), so one merged copy exists at a time.
-A checkpoint's step_N/ holds the adapters in PEFT's format; evaluate.py and tools/merge_lora.py make
-a whole model of them.
+Each adapted linear layer computes W x + (lora_alpha / lora_r) * B A x, B starting at zero, so step 0's policy is
+the base model. With its adapters off the policy is the base exactly: the KL term's reference needs no second
+copy (trainer/update.py's reference_logps). vLLM samples with the adapters merged into the weights it holds,
+each merged weight made as the weight sync copies it (merged_weights).
 """
 import contextlib
 import json
@@ -47,29 +40,24 @@ def lora_dropout(cfg):
 
 
 def weight_groups(module):
-    """The policy's weights in the groups the weight sync takes one at a time: [(parameters, weights)], weights a
-    list of (name, tensor, lora_layer). A group is a LoRA layer (its base weights, with its adapters among the
-    parameters) or any other submodule's own tensors; name is what a plain HF model calls the tensor, tensor is the
-    module's own (not a copy; under ZeRO-3 a shard until gathered), lora_layer the PEFT layer whose adapters merge
-    into it, else None. The adapters themselves are in no group's weights: vLLM gets them merged."""
-    from peft.tuners.lora import LoraLayer
-    is_peft = hasattr(module, "peft_config")
+    """The policy's weights in the groups the weight sync takes one at a time: [(parameters, weights)], a group per
+    submodule (a LoRA layer's adapters among its parameters, not its weights); weights: [(name, tensor,
+    lora_layer)], name a plain HF model's, tensor the module's own (ZeRO-3: a shard until gathered), lora_layer
+    the PEFT layer whose adapters merge into it, else None."""
     groups = {}  # the group's module name: (parameters, weights)
     for key, tensor in module.state_dict(keep_vars=True).items():
         owner = key.rpartition(".")[0]  # the submodule that holds it
         for part in (".base_layer.", ".lora_"):  # PEFT: q_proj.base_layer.weight, q_proj.lora_A.default.weight
-            if is_peft and part in key:
+            if part in key:
                 owner = key.split(part)[0]  # the LoRA layer, q_proj
                 break
         parameters, weights = groups.setdefault(owner, ([], []))
         if isinstance(tensor, torch.nn.Parameter):
             parameters.append(tensor)
-        if is_peft and ".lora_" in key:
+        if ".lora_" in key:
             continue  # an adapter: merged into its layer's weight, not sent
-        layer = module.get_submodule(owner)
-        merges = isinstance(layer, LoraLayer) and key.endswith(".base_layer.weight")
-        name = key.removeprefix("base_model.model.").replace(".base_layer.", ".") if is_peft else key
-        weights.append((name, tensor, layer if merges else None))
+        lora_layer = module.get_submodule(owner) if key.endswith(".base_layer.weight") else None
+        weights.append((key.removeprefix("base_model.model.").replace(".base_layer.", "."), tensor, lora_layer))
     return list(groups.values())
 
 
@@ -82,11 +70,9 @@ def merged(lora_layer, weight):
 
 
 def merged_weights(module, gather=contextlib.nullcontext):
-    """The policy's weights, one (name, tensor) at a time, under the names a plain HF model has: the module's own
-    tensors (no copy), and for a LoRA model (PEFT) each adapted weight merged, W + (lora_alpha / lora_r) * B @ A,
-    made only when it is asked for: a caller that copies each one and lets it go holds one merged weight at a time.
-    vLLM samples from these with no adapter support of its own. gather(parameters) holds each group's parameters
-    whole while its weights are taken (ZeRO-3: deepspeed.zero.GatheredParameters, one group at a time)."""
+    """The policy's weights, one (name, tensor) at a time, under a plain HF model's names: the module's own tensors,
+    and with LoRA each adapted weight merged, made only when asked for (a caller that copies each and lets it go
+    holds one merged weight at a time). gather(parameters) holds a group whole while its weights are taken."""
     for parameters, weights in weight_groups(module):
         with gather(parameters):
             for name, tensor, lora_layer in weights:
@@ -95,9 +81,8 @@ def merged_weights(module, gather=contextlib.nullcontext):
 
 def merged_shapes(module):
     """What merged_weights(module) yields, known before anything is merged or gathered: {name: (dtype, shape,
-    first)}, first the name the same tensor came under first (tied weights: lm_head.weight is
-    model.embed_tokens.weight), else the name itself. A merged weight has its base weight's dtype and shape and is
-    a tensor of its own; under ZeRO-3 a parameter's whole shape is its ds_shape (it holds a shard)."""
+    first)}, first the name the same tensor came under first (tied: lm_head.weight is model.embed_tokens.weight).
+    Under ZeRO-3 a parameter's whole shape is its ds_shape."""
     shapes, first = {}, {}  # first: id of a tensor -> the name it came under first
     for _, weights in weight_groups(module):
         for name, tensor, lora_layer in weights:

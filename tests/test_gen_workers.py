@@ -28,7 +28,7 @@ from tools.launch import ROOT
 TWO = ["--gen_workers", "2", "--batch_prompts", "4", "--log_completions_every", "1"]
 
 
-def sync_and_sample(cfg, out, k, channels, parent_pid):
+def sync_and_sample(cfg, out, k, channels):
     """A worker (spawned by start_workers): load the weights the trainer sends, then sample with them."""
     llm = start_vllm(cfg, compile=cfg.gen_compile)
     shared = {}

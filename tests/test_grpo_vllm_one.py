@@ -17,9 +17,8 @@ from simple_grpo.task.problems import load_jsonl, make_prompt
 from grpo_math import completion_mask
 from simple_grpo.logprobs import sequence_logps
 from grpo_vllm_one import Config
-from simple_grpo.generation.schedule import sampling_version
 from simple_grpo.generation.vllm_sampler import sample, start_vllm
-from simple_grpo.generation.weight_sync import WeightSender, load_weights, receive_weights
+from simple_grpo.generation.weight_sync import WeightSender, load_weights, receive_weights, sampling_version
 from tests.test_ref_server import server  # noqa: F401 - the live server fixture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -183,6 +182,17 @@ def test_each_batch_has_one_sampling_version_within_the_staleness_bound():
     assert lag3 == [0, 0, 0, 0, 2, 2, 4, 4]
     for b in range(8):  # within the bound, and made before batch b is trained (at step b + 1)
         assert b - 3 <= lag3[b] <= b
+
+
+def test_a_sync_interval_the_staleness_bound_cannot_wait_for_is_refused():
+    """--sync_every k needs --max_policy_lag >= k - 1: else the worker waits for weights made from its own batches."""
+    with pytest.raises(SystemExit, match="max_policy_lag 1 < --sync_every - 1 = 2"):
+        Config(sync_every=3, max_policy_lag=1)
+
+
+def test_an_unknown_startup_order_is_refused_before_any_process_starts():
+    with pytest.raises(SystemExit, match="unknown --startup_order 'first'"):
+        Config(startup_order="first")
 
 
 def test_killing_the_worker_stops_the_trainer_with_a_message(server):  # noqa: F811

@@ -16,8 +16,8 @@ RECORD_AGAIN = ("python tools/reading_path.py --record (traces both trainers' st
 WAITING = {("trainer", "grpo_vllm_one.py", "main.<locals>.take.<locals>.waiting"),
            ("trainer", "grpo_vllm_one.py", "main.<locals>.<lambda>"),
            ("trainer", "simple_grpo/generation/workers.py", "check_workers"),
-           ("trainer", "simple_grpo/generation/progress.py", "WorkerProgress.describe"),
-           ("trainer", "simple_grpo/generation/progress.py", "WorkerProgress.check_deadline")}
+           ("trainer", "simple_grpo/generation/workers.py", "WorkerProgress.describe"),
+           ("trainer", "simple_grpo/generation/workers.py", "WorkerProgress.check_deadline")}
 
 
 def entered(file, name, *callers, globals=()):

@@ -16,7 +16,7 @@ stop_a_busy_worker()
 """
 
 
-def busy(cfg, k, channels, parent_pid):
+def busy(cfg, k, channels):
     """A worker that holds a named semaphore (registered with the resource tracker) and never looks at
     channels.stop."""
     lock = multiprocessing.get_context("spawn").Lock()  # noqa: F841 - held, never released, while it sleeps

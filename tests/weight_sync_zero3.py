@@ -4,7 +4,7 @@
 
 For the tiny model (its lm_head tied to its embeddings), trained whole and with all-linear LoRA (B random, so the
 merge matters): rank 0 sends the weights with WeightSender, gathering one module at a time, while rank 1 joins
-the same gathers (sync_weights with no sender). Then every rank gathers every parameter at once, and rank 0
+the same gathers (WeightSender with no workers). Then every rank gathers every parameter at once, and rank 0
 compares the shared buffer with merged_weights of the whole model. Rank 0 prints one JSON line per case.
 """
 import json
@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from grpo_vllm_one import Config  # noqa: E402
-from simple_grpo.generation.weight_sync import WeightSender, sync_weights, tensors_in  # noqa: E402
+from simple_grpo.generation.weight_sync import WeightSender, tensors_in  # noqa: E402
 from simple_grpo.lora import merged_weights  # noqa: E402
 from simple_grpo.trainer.config import check_options  # noqa: E402
 from simple_grpo.trainer.deepspeed_engine import make_engine  # noqa: E402
@@ -36,8 +36,9 @@ def run_case(name):
         for p in adapters_b:
             torch.nn.init.normal_(p, std=0.05)
     shards = [tuple(p.shape) for p in module.parameters()]
-    sender = WeightSender([queue.SimpleQueue()], [types.SimpleNamespace(value=0)]) if rank == 0 else None
-    sync_weights(sender, engine, 1, 3, lambda: None, 60)
+    queues = [queue.SimpleQueue()] if rank == 0 else []
+    sender = WeightSender(queues, [types.SimpleNamespace(value=0)] if rank == 0 else [])
+    sender.send(engine.module, 1, 3, lambda: None, 60)
     with deepspeed.zero.GatheredParameters(list(module.parameters())), torch.no_grad():
         if rank == 0:
             expected = dict(merged_weights(module))  # the whole model's, every parameter gathered

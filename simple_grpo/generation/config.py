@@ -1,5 +1,4 @@
-"""The generation worker's flags (grpo_vllm_one.py): where vLLM runs, how many workers, how weights
-reach them and how stale a batch may be. grpo_vllm_one.Config combines them with the trainer's."""
+"""grpo_vllm_one.py's generation flags: where vLLM runs, how many workers, how stale a batch may be."""
 from dataclasses import dataclass
 
 from simple_grpo.flags import flag
@@ -12,10 +11,11 @@ class GenerationConfig:
     gen_tp: int = flag(1, "vLLM tensor-parallel size; only 1: the weight sync reaches one in-process vLLM (more "
                           "GPUs for sampling: --gen_workers K, each worker on a GPU of its own)")
     gen_every: int = flag(0, "one generation worker per this many trainer ranks (0: one per node)")
-    gen_workers: int = flag(1, "generation workers (vLLM engines) per trainer, each on GPU(s) or core(s) of its own")
+    gen_workers: int = flag(1, "generation workers (vLLM engines) per trainer: each on GPU(s) of its own, or pinned to "
+                               "--gen_threads CPU cores")
     gen_threads: int = flag(1, "CPU machines: cores for each worker's vLLM (worker 0: the last ones, 1: those before)")
-    gen_compile: bool = flag(False, "CPU machines: torch.compile vLLM's model (~25 s more start-up, 10-20% faster "
-                                    "sampling; on a GPU vLLM always compiles)")
+    gen_compile: bool = flag(False, "CPU machines: torch.compile vLLM's model (a slower start, faster sampling; "
+                                    "on a GPU vLLM always compiles)")
     gen_memory: float = flag(0.0, "vLLM's gpu_memory_utilization; 0: 0.9 on a GPU of its own, 0.3 beside the trainer")
     max_model_len: int = flag(512, "vLLM's context length: prompt + completion")
     tis_cap: float = flag(2.0, "capped importance sampling (TIS): each token weighted by min(pi_old / pi_vLLM, cap); "
@@ -31,10 +31,12 @@ class GenerationConfig:
     data_timeout: float = flag(600.0, "seconds to wait for a batch once vLLM is up (the worker: for new weights)")
 
     def __post_init__(self):
-        """Refuse what cannot run, at parse time (before any process starts)."""
-        if self.gen_tp != 1:
-            # tensor-parallel vLLM runs its model in processes of its own and pickles what collective_rpc
-            # sends them; load_weights (weight_sync.py) sends an iterator, which cannot be pickled
+        if self.gen_tp != 1:  # tensor-parallel vLLM would pickle load_weights' iterator to its processes: it cannot
             raise SystemExit(f"--gen_tp {self.gen_tp}: grpo_vllm_one.py syncs weights only into a vLLM of one GPU "
                              "(--gen_tp 1). For more sampling, run --gen_workers K: K one-GPU vLLM workers, each with "
                              "its own copy of the weights; for a model too big for one GPU, vLLM needs a larger GPU")
+        if self.startup_order not in ("auto", "vllm_first", "together"):
+            raise SystemExit(f"unknown --startup_order {self.startup_order!r}: use auto, vllm_first or together")
+        if self.max_policy_lag < self.sync_every - 1:
+            raise SystemExit(f"--max_policy_lag {self.max_policy_lag} < --sync_every - 1 = {self.sync_every - 1}: the "
+                             "worker would wait for weights the trainer cannot make without its batches")

@@ -1,15 +1,8 @@
-"""Weights from the trainer to the generation workers, in memory (grpo_vllm_one.py).
-
-The trainer copies its weights into one of two flat buffers in shared memory that every process
-maps (WeightSender.send: a copy per tensor, nothing pickled) and sends (version, buffer index) on each
-worker's queue; each worker loads them into its running vLLM engine in place (receive_weights).
-The weights go one at a time: with LoRA each merged weight is made just before its copy and freed after
-it, and under ZeRO-3 one module's parameters are gathered whole at a time (lora.merged_weights).
-A buffer is refilled only after every worker has loaded the version it held (or passed it over:
-with several workers, each loads just the versions it samples with).
-"""
+"""The trainer's weights to the generation workers through shared memory (WeightSender, receive_weights), and which
+weights sample which batch (WorkerSchedule)."""
 import contextlib
 import math
+import queue
 import time
 
 import torch
@@ -20,8 +13,7 @@ from simple_grpo.lora import merged_shapes, merged_weights, weight_groups
 
 def weight_layout(shapes):
     """Where each weight sits in one flat byte buffer: {name: (offset, dtype, shape)}, and the buffer's size.
-    shapes: {name: (dtype, shape, first)} (lora.merged_shapes); a weight whose tensor came first under another
-    name (tied: lm_head = embeddings) shares that one's place."""
+    shapes: lora.merged_shapes; a tied weight (lm_head = embeddings) shares the place of the name it came first as."""
     layout, size = {}, 0
     for name, (dtype, shape, first) in shapes.items():
         if first != name:
@@ -39,22 +31,29 @@ def tensors_in(buffer, layout):
 
 
 class WeightSender:
-    """The trainer's end of the weight sync, all in memory, to one or several workers.
-
-    The weights are copied into a flat buffer in shared memory that every worker maps, and
-    only (version, buffer index) goes through each worker's queue: one copy of each tensor per sync
-    however many workers read it, no pickling of tensors, no allocation after the first. Two buffers are
-    used in turn, and one is refilled only after every worker has loaded the version it held, or
-    passed it over for a newer one (`loaded`: a shared integer per worker), so no worker reads
-    weights being overwritten."""
+    """The trainer's end, one per rank: the weights are copied one at a time (LoRA: each merged just before its
+    copy) into one of two flat buffers in shared memory that its workers map, and only (version, buffer index) goes
+    on each worker's queue. A buffer is refilled only once every worker has loaded the version it holds or passed
+    it over (`loaded`: a shared integer per worker)."""
 
     def __init__(self, queues, loaded):
         self.queues, self.loaded = queues, loaded  # one of each per worker
         self.buffers, self.held, self.layout, self.syncs = None, [-1, -1], None, 0
 
     def send(self, module, version, zero_stage=0, check_alive=lambda: None, timeout=600.0):
+        """Every rank calls it: under ZeRO-3 each takes part in gathering one module at a time (a rank with no
+        workers only that)."""
+        gather = contextlib.nullcontext
+        if zero_stage == 3:  # ZeRO-3 keeps each parameter in shards: gather one module's whole while it is copied
+            import deepspeed
+            gather = deepspeed.zero.GatheredParameters
+        if not self.queues:
+            for parameters, _ in weight_groups(module):  # the gathers merged_weights makes, in its order
+                with gather(parameters):
+                    pass
+            return
         if self.buffers is None:  # first sync: allocate, and hand the workers the buffers once
-            self.layout, size = weight_layout(merged_shapes(module))  # from the shapes: nothing merged yet
+            self.layout, size = weight_layout(merged_shapes(module))
             check_shared_memory(2 * size)
             self.buffers = [torch.empty(size, dtype=torch.uint8).share_memory_() for _ in range(2)]
             for q in self.queues:
@@ -67,10 +66,6 @@ class WeightSender:
                 raise SystemExit(f"a generation worker has not loaded weights version {self.held[i]} in "
                                  f"{timeout:.0f} s (--data_timeout; it has {slowest}): see its log above")
             time.sleep(0.001)
-        gather = contextlib.nullcontext
-        if zero_stage == 3:  # ZeRO-3 keeps each parameter in shards: gather one module's whole while it is copied
-            import deepspeed
-            gather = deepspeed.zero.GatheredParameters
         views = tensors_in(self.buffers[i], self.layout)
         with torch.no_grad():
             for name, weight in merged_weights(module, gather):  # with LoRA: base + adapters, merged
@@ -82,8 +77,8 @@ class WeightSender:
 
 
 def receive_weights(llm, message, shared, loaded):
-    """The worker's end: a sync message is either the buffers (once), kept in `shared`, or
-    (version, buffer index) to load into vLLM. Returns the version loaded, or None."""
+    """The worker's end: the buffers (once), kept in `shared`, or (version, buffer index) to load into vLLM.
+    Returns the version loaded, or None."""
     if message[0] == "buffers":
         shared["buffers"], shared["layout"] = message[1], message[2]
         return None
@@ -93,22 +88,72 @@ def receive_weights(llm, message, shared, loaded):
     return version
 
 
-def sync_weights(sender, engine, version, zero_stage, check_alive, timeout):
-    """Every rank calls it: under ZeRO-3 every rank takes part in gathering the weights whole, one module
-    at a time in the sender's order (lora.weight_groups); each rank that runs workers (sender not None)
-    sends them to its workers."""
-    if sender is not None:
-        sender.send(engine.module, version, zero_stage, check_alive, timeout)
-    elif zero_stage == 3:
-        import deepspeed
-        for parameters, _ in weight_groups(engine.module):  # the gathers merged_weights makes, in its order
-            with deepspeed.zero.GatheredParameters(parameters):
-                pass
-
-
 def load_weights(llm, state_dict):
-    """Copy new weights into the running engine in place. All of them, lm_head.weight included
-    even when tied (vLLM on CPU keeps its own packed copy of the output layer), and fused
-    groups (q/k/v, gate/up) whole. The prefix cache holds KV computed with the old weights."""
+    """Copy new weights into the running engine in place: all of them, lm_head.weight even when tied (vLLM on CPU
+    keeps its own packed copy of it), fused groups (q/k/v, gate/up) whole. The prefix cache held old weights' KV."""
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state_dict.items())})
     llm.reset_prefix_cache()
+
+
+def sampling_version(batch_index, cfg):
+    """The policy version that samples a rank's batch number batch_index (trained at step batch_index + 1): the
+    oldest the staleness bound --max_policy_lag allows, among the versions sent every --sync_every steps."""
+    oldest = max(batch_index - cfg.max_policy_lag, 0)
+    return -(-oldest // cfg.sync_every) * cfg.sync_every
+
+
+class WorkerSchedule:
+    """A generation worker's weights and batch numbers (docs/guide.md: "Which weights sample which batch"). Version
+    v is the weights after step v. Batch b (first_batch_index, + gen_workers, ...; rank b % n's number b // n) is
+    sampled by sampling_version(b // n), whichever process is faster: the worker waits for it, holds newer weights
+    back, and passes older ones (another worker's) over. --regroup: no wait, nothing held back."""
+
+    def __init__(self, cfg, llm, channels, n_ranks, first_batch_index, draw):
+        self.cfg, self.llm, self.channels, self.n, self.draw = cfg, llm, channels, n_ranks, draw
+        self.version = None if cfg.resume else 0  # of the loaded weights; None: the checkpoint's are on their way
+        self.batch_index, self.draws = first_batch_index, 0  # the next batch's number; problem draws so far
+        self.held, self.shared, self.load_s, self.waiting_since = None, {}, 0.0, None
+
+    def draw_problems(self):
+        """The next batch's problems, counted in draws (the data position a checkpoint keeps)."""
+        problems = self.draw()
+        self.draws += 1
+        return problems
+
+    def take_weights_or_wait(self):
+        """One round of the exchange with the trainer: take the next message (waiting up to 1 s where the next
+        batch's weights are due) and act on it. True when the next batch may be sampled now; False when it loaded
+        weights or resumed (ask again) or must wait. Ends the run if due weights have not come in --data_timeout."""
+        cfg, channels = self.cfg, self.channels
+        lag = None if self.version is None else self.batch_index // self.n - self.version  # were it sampled now
+        must_wait = lag is None or (not cfg.regroup and lag > cfg.max_policy_lag)
+        message, self.held = self.held, None  # weights held back before the last batch come first
+        if message is None:
+            try:
+                message = channels.weights.get(timeout=1.0) if must_wait else channels.weights.get_nowait()
+            except queue.Empty:
+                pass
+        if message is not None and message[0] == "weights" and self.version is not None and not cfg.regroup:
+            due = sampling_version(self.batch_index // self.n, cfg)  # the version that samples the next batch
+            if message[1] > due:
+                message, self.held = None, message  # too new for the next batch: loaded once it is sampled
+            elif message[1] < due:  # too old: another worker's batch was sampled with it
+                channels.loaded.value, message = message[1], None  # passed over, never loaded: its buffer is free
+        self.waiting_since = (self.waiting_since or time.time()) if must_wait and message is None else None
+        if self.waiting_since is not None and time.time() - self.waiting_since > cfg.data_timeout:
+            needed = self.batch_index // self.n - cfg.max_policy_lag
+            raise SystemExit(f"generation worker: no new weights from the trainer in {cfg.data_timeout:.0f} s "
+                             f"(it has version {self.version}, needs {needed})")
+        if message is not None and message[0] == "resume":  # the checkpoint's batch number and data position
+            _, self.batch_index, self.draws = message
+            for _ in range(self.draws):  # replay the draws the checkpoint's batches took
+                self.draw()
+        elif message is not None:  # the buffers (once), or weights to load before sampling more
+            t0 = time.time()
+            if (version := receive_weights(self.llm, message, self.shared, channels.loaded)) is not None:
+                self.version, self.load_s = version, time.time() - t0
+        return message is None and not must_wait
+
+    def sampled(self, kept):
+        """After a batch: on to this worker's next number if any group was kept (else it samples again)."""
+        self.batch_index += self.cfg.gen_workers if kept else 0

@@ -1,10 +1,6 @@
-"""The generation workers as processes: started on their own GPU(s) or CPU cores, watched, stopped.
-
-grpo_vllm_one.py's gen_worker runs in spawned processes (fresh interpreters, so CUDA and vLLM
-start cleanly), --gen_workers of them, each talking to the trainer only through its Channels
-below. They exit when the trainer asks (channels.stop), and on their own when the trainer is
-gone (watch_parent), so no worker outlives its run.
-"""
+"""grpo_vllm_one.py's generation workers as the trainer sees them: spawned processes (fresh interpreters, so CUDA and
+vLLM start cleanly) that talk to it only through their Channels; which makes which rank's batch; what they report
+while the trainer waits (WorkerProgress); their stop."""
 import dataclasses
 import os
 import queue
@@ -14,9 +10,11 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
 from simple_grpo.devices import generation_gpus, physical_gpus, reference_gpus, visible_gpus, vllm_memory_share
 from simple_grpo.protocol import TOKEN_ENV
@@ -25,17 +23,16 @@ from simple_grpo.protocol import TOKEN_ENV
 @dataclass
 class Channels:
     weights: Any  # trainer -> this worker: ("buffers", ...) once, then ("weights", version, i); ("resume", ...)
-    groups: Any  # this worker -> trainer, beta 0 only: finished groups (no ref server between them)
+    groups: Any  # this worker -> trainer, --beta 0 only: finished groups (no ref server between them)
     status: Any  # every worker -> trainer, one queue: ("ready", seconds), then ("batch", summary) per batch
     loaded: Any  # shared int: the newest weight version this worker has loaded or passed over (weight_sync)
-    stop: Any  # event, one for all workers: the trainer asks them to finish
+    stop: Any  # one event for all workers: the trainer asks them to finish
     shares_gpu: bool = False  # its vLLM runs on a GPU a trainer rank of this node uses (wait_for_vllm)
 
 
 def local_world_size(default):
-    """Trainer ranks on this node, as the launcher says: LOCAL_SIZE (deepspeed) or LOCAL_WORLD_SIZE
-    (torchrun). vLLM on CPU sets LOCAL_WORLD_SIZE in its own process (to its tensor-parallel size),
-    and a process started from there inherits it: it counts only under torchrun."""
+    """Trainer ranks on this node: LOCAL_SIZE (deepspeed), or LOCAL_WORLD_SIZE under torchrun only (vLLM on CPU
+    sets it in its own process, and a process started from there inherits it)."""
     if "LOCAL_SIZE" in os.environ:
         return int(os.environ["LOCAL_SIZE"])
     if "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
@@ -43,10 +40,23 @@ def local_world_size(default):
     return default
 
 
+def stream_id(run_id, rank, world, cfg, worker):
+    """The run_id a batch travels under: the ref server hands each rank its own, and each worker's apart, so two
+    batches' groups never mix (--regroup: any rank takes any group)."""
+    if cfg.regroup:
+        return run_id
+    return run_id + (f"-{rank}" if world > 1 else "") + (f"-w{worker}" if cfg.gen_workers > 1 else "")
+
+
+def batch_worker(step, rank, served, cfg):
+    """Which worker makes the batch of `step` for `rank`: a worker set makes batches b = 0, 1, 2, ... in turn for
+    its ranks `served` (b -> rank served[b % len(served)]), worker b % gen_workers."""
+    return ((step - 1) * len(served) + served.index(rank)) % cfg.gen_workers
+
+
 def start_workers(target, cfg, *args):
-    """Spawn cfg.gen_workers processes, worker k running target(cfg, *args, k, channels_k, parent_pid),
-    each on its own GPU(s) (from cfg.gen_device, cfg.gen_tp at a time) or its own core(s) (CPU: the
-    last cfg.gen_threads for worker 0, the ones before for worker 1, ...). Returns [(process, channels)]."""
+    """Spawn cfg.gen_workers processes, worker k running target(cfg, *args, k, channels_k) on its place
+    (place_worker). Returns [(process, channels)]."""
     ctx = mp.get_context("spawn")
     status, stop = ctx.Queue(), ctx.Event()
     workers = []
@@ -54,15 +64,10 @@ def start_workers(target, cfg, *args):
         channels = Channels(weights=ctx.Queue(), groups=ctx.Queue(), status=status, loaded=ctx.Value("i", 0),
                             stop=stop)
         worker_cfg, env, cores, channels.shares_gpu = place_worker(cfg, k)
-        saved = {name: os.environ.get(name) for name in env}
-        os.environ.update(env)  # a spawned child takes the parent's environment at start
-        try:
+        with mock.patch.dict(os.environ, env):  # a spawned child takes the parent's environment at start
             worker = ctx.Process(target=run_on_cores, name=f"gen_worker_{k}",
-                                 args=(cores, target, worker_cfg, *args, k, channels, os.getpid()))
+                                 args=(cores, os.getpid(), target, worker_cfg, *args, k, channels))
             worker.start()
-        finally:
-            for name, value in saved.items():
-                os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
         print(f"generation worker {k}: pid {worker.pid}")
         workers.append((worker, channels))
     return workers
@@ -91,8 +96,7 @@ def place_worker(cfg, k):
             raise SystemExit(f"--{name} {getattr(cfg, name)}: this machine has no GPU, and vLLM runs on CPU cores "
                              f"(--gen_threads; its KV cache: VLLM_CPU_KVCACHE_SPACE in GiB)")
     # worker k takes the gen_threads cores before worker k-1's, wrapping round on a small machine.
-    # OMP_NUM_THREADS caps every OpenMP runtime in the process: vLLM's CPU kernels bring their own,
-    # which torch.set_num_threads does not reach (unset, it ran one thread per core of the machine)
+    # OMP_NUM_THREADS caps every OpenMP runtime in the process, vLLM's CPU kernels' own too
     cores, t = sorted(os.sched_getaffinity(0)), cfg.gen_threads
     mine = [cores[(len(cores) - (k + 1) * t + i) % len(cores)] for i in range(t)]
     env["OMP_NUM_THREADS"] = str(t)
@@ -100,20 +104,18 @@ def place_worker(cfg, k):
     return cfg, env, mine, False
 
 
-def run_on_cores(cores, target, *args):
-    """The worker process's entry: keep it, and every thread it starts, on its cores; then run target.
-    (vLLM's own VLLM_CPU_OMP_THREADS_BIND binds only the engine processes it spawns, not an
-    in-process engine like ours.)"""
+def run_on_cores(cores, parent_pid, target, *args):
+    """The worker process's entry: pinned to its cores (every thread it starts too), it exits through Python on
+    SIGTERM (so its multiprocessing objects are released) and within a second of the trainer's end; runs target."""
     if cores is not None:
         os.sched_setaffinity(0, cores)
-    # stop_workers' SIGTERM exits through Python, so the worker's multiprocessing objects are released
-    # (killed outright, it leaves the resource tracker a "leaked semaphore" warning to print after the run's last line)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    watch_parent(parent_pid)
     target(*args)
 
 
 def watch_parent(parent_pid):
-    """In the worker: exit as soon as the trainer that started it is gone (killed without clean-up)."""
+    """Exit as soon as the trainer that started this process is gone (killed without clean-up)."""
     def watch():
         while os.getppid() == parent_pid:
             time.sleep(1)
@@ -138,14 +140,12 @@ def stop_workers(workers, grace=10):
     try:
         join_all(workers, grace)
         for worker, _ in workers:
-            if worker.is_alive():
-                worker.terminate()
+            worker.terminate()  # a no-op on one that has exited
         join_all(workers, grace)
     finally:
         for worker, _ in workers:
-            if worker.is_alive():
-                worker.kill()
-                worker.join(timeout=10)
+            worker.kill()
+            worker.join(timeout=10)
 
 
 def join_all(workers, seconds):
@@ -155,18 +155,16 @@ def join_all(workers, seconds):
 
 
 def wait_for_vllm(workers, cfg, say=print):
-    """Before the trainer loads its model: where a worker's vLLM shares a GPU with this trainer (or always,
-    with --startup_order vllm_first), wait until every worker has vLLM up. vLLM sizes its KV cache from how
-    much free memory the whole GPU loses while it profiles, and fails if free memory rose meanwhile: the
-    trainer's DeepSpeed start-up, which allocates and frees, must not run beside it. Says so every
-    10 s; stops the run after cfg.startup_timeout. The ready messages go back on the status queue."""
+    """Before the trainer loads its model: where a worker's vLLM shares a GPU with this trainer (or always, with
+    --startup_order vllm_first), wait until every worker has vLLM up. vLLM sizes its KV cache from the GPU's free
+    memory as it profiles, and fails if that rose meanwhile, as it would beside DeepSpeed's start-up. Says so
+    every 10 s, stops the run after --startup_timeout, and puts the ready messages back on the status queue."""
     order = cfg.startup_order
-    if order not in ("auto", "vllm_first", "together"):
-        raise SystemExit(f"unknown --startup_order {order!r}: use auto, vllm_first or together")
     if not workers or order == "together" or (order == "auto" and not any(c.shares_gpu for _, c in workers)):
         return
     status, started, taken, said = workers[0][1].status, time.time(), [], -10.0
-    why = "vLLM shares this trainer's GPU and measures its free memory" if order == "auto" else "--startup_order vllm_first"
+    why = ("vLLM shares this trainer's GPU and measures its free memory" if order == "auto"
+           else "--startup_order vllm_first")
     while sum(kind == "ready" for kind, _ in taken) < len(workers):
         waited = time.time() - started
         if waited > cfg.startup_timeout:
@@ -186,20 +184,89 @@ def wait_for_vllm(workers, cfg, say=print):
         status.put(message)
 
 
-def draws_to_resume(state, workers):
-    """A checkpoint's data position: the problem draws each worker had taken (older checkpoints: one number)."""
-    draws = state["draws"] if isinstance(state["draws"], list) else [state["draws"]]
-    if len(draws) != workers:
+def resume_workers(workers, state, first_step, served, cfg):
+    """Send each worker the checkpoint's batch number and its problem draws (it replays them); returns the draws."""
+    draws = state["draws"] if isinstance(state["draws"], list) else [state["draws"]]  # older checkpoints: a number
+    if len(draws) != cfg.gen_workers:
         raise SystemExit(f"the checkpoint was made with --gen_workers {len(draws)}: resume with the same number "
                          f"(each worker continues its own problem draws)")
+    next_batch = (first_step - 1) * len(served)
+    for k, (_, channels) in enumerate(workers):
+        channels.weights.put(("resume", next_batch + (k - next_batch) % cfg.gen_workers, draws[k]))
     return draws
 
 
 def take_local_group(groups_queue, waiting):
-    """take_group's local twin (beta 0): the worker's next group; waiting(waited_s) runs while none is there."""
+    """take_group's local twin (--beta 0): the worker's next group; waiting(waited_s) runs while none is there."""
     start = time.time()
     while True:
         try:
             return groups_queue.get(timeout=1.0)
         except queue.Empty:
             waiting(time.time() - start)
+
+
+class WorkerProgress:
+    """The workers' status messages, as the trainer reads them while it waits: the progress bar's text, each
+    batch to the run doctor, and a deadline naming what never came (vLLM not up after --startup_timeout, or no
+    trainable batch --data_timeout s after the wait began or vLLM came up)."""
+
+    def __init__(self, status_queue, cfg, doctor):
+        self.queue, self.cfg, self.doctor = status_queue, cfg, doctor
+        self.started, self.ready_at = time.time(), None
+        # batches sampled; of them, with no group kept (and how many of the latest in a row); groups sent on
+        self.batches, self.dropped, self.dropped_in_row, self.posted = 0, 0, 0, 0
+        self.last = None  # the latest batch's summary
+
+    def update(self, step):
+        """Take the workers' new messages; the doctor reads each batch. Returns the doctor's stop message, or None."""
+        stop = None
+        while True:
+            try:
+                kind, body = self.queue.get_nowait()
+            except queue.Empty:
+                return stop
+            if kind == "ready":
+                self.ready_at = time.time()
+                tqdm.write(f"generation worker: vLLM ready after {body:.0f} s")
+                continue
+            self.batches, self.posted, self.last = self.batches + 1, self.posted + body["posted"], body
+            self.dropped += body["posted"] == 0
+            self.dropped_in_row = self.dropped_in_row + 1 if body["posted"] == 0 else 0
+            if self.doctor is not None:
+                stop = self.doctor.batch(body, step) or stop
+
+    def describe(self, step, waited_s):
+        """The progress bar's text while the trainer waits for the batch of `step`."""
+        if self.ready_at is None:
+            return (f"waiting for the generation worker to start vLLM ({time.time() - self.started:.0f} s, "
+                    f"gives up after {self.cfg.startup_timeout:.0f} s)")
+        text = f"waiting for batch {step} ({waited_s:.0f} s): worker made {self.batches} batches"
+        if self.dropped:
+            text += f", {self.dropped} dropped whole (all groups all-alike)"
+        if self.last is not None:
+            text += f", last reward mean {sum(self.last['rewards']) / len(self.last['rewards']):.2f}"
+        return text
+
+    def check_deadline(self, waited_s):
+        """Stop the run, naming what never came, when a wait has gone on too long."""
+        now, cfg = time.time(), self.cfg
+        if self.ready_at is None:
+            if now - self.started > cfg.startup_timeout:
+                raise SystemExit(f"the generation worker has not started vLLM in {cfg.startup_timeout:.0f} s "
+                                 f"(model {cfg.model}): see its log above; a large model may need a longer "
+                                 "--startup_timeout")
+            return
+        if now - max(now - waited_s, self.ready_at) <= cfg.data_timeout:
+            return
+        if self.batches == 0:
+            what = "the worker has sampled no batch at all since vLLM started: see its log above"
+        elif self.dropped_in_row:
+            what = (f"the worker's last {self.dropped_in_row} batches (of {self.batches}) were all dropped: no group "
+                    f"had reward variance (rewards in the last: {sorted(set(self.last['rewards']))[:5]}); see the run "
+                    "doctor's no_signal warning above")
+        else:
+            what = (f"the worker sampled {self.batches} batches and sent {self.posted} groups"
+                    + (", but the ref server returned none for this step: see its log" if cfg.beta != 0 or cfg.regroup
+                       else ""))
+        raise SystemExit(f"no trainable batch came in {cfg.data_timeout:.0f} s (--data_timeout): {what}")
