@@ -94,30 +94,30 @@ def check_draws(run, steps, seed=0):
 
 def test_two_workers_take_turns_and_each_batch_is_trained_once_within_the_bound(server):  # noqa: F811
     run = fresh("test_two_workers")
-    out = subprocess.run([sys.executable, "grpo_vllm_one.py", "--ref_url", server, "--steps", "6",
+    out = subprocess.run([sys.executable, "grpo_vllm_one.py", "--ref_url", server, "--steps", "4",
                           "--run_name", run, "--save_every", "4", *TWO], cwd=ROOT, capture_output=True, text=True,
                          timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = metrics(run)
-    assert [r["batch"] for r in rows] == [0, 1, 2, 3, 4, 5]  # each batch once, in order
-    assert [r["worker"] for r in rows] == [0, 1, 0, 1, 0, 1]
+    assert [r["batch"] for r in rows] == [0, 1, 2, 3]  # each batch once, in order
+    assert [r["worker"] for r in rows] == [0, 1, 0, 1]
     # batch b is sampled by version b - 1 exactly (max_policy_lag 1), whichever worker made it
-    assert [r["policy_lag"] for r in rows] == [0, 1, 1, 1, 1, 1]
-    check_draws(run, range(1, 7))
+    assert [r["policy_lag"] for r in rows] == [0, 1, 1, 1]
+    check_draws(run, range(1, 5))
     assert "generation worker 0: pid" in out.stdout and "generation worker 1: pid" in out.stdout
 
 
 def test_resume_with_two_workers_continues_each_workers_draws(server):  # noqa: F811
-    # runs/test_two_workers holds the 6-step run of the test above, with its checkpoint step_4
+    # runs/test_two_workers holds the 4-step run of the test above, with its checkpoint step_4
     run = "test_two_workers"
-    out = subprocess.run([sys.executable, "grpo_vllm_one.py", "--ref_url", server, "--steps", "8", "--resume",
+    out = subprocess.run([sys.executable, "grpo_vllm_one.py", "--ref_url", server, "--steps", "6", "--resume",
                           "--run_name", run, *TWO], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "resuming after step 6" in out.stdout
+    assert "resuming after step 4" in out.stdout
     rows = metrics(run)
-    assert [r["step"] for r in rows] == list(range(1, 9)) and [r["batch"] for r in rows[6:]] == [6, 7]
-    assert [r["worker"] for r in rows[6:]] == [0, 1]
-    check_draws(run, [7, 8])  # each worker's 4th draw: the 3 before were skipped, not sampled again
+    assert [r["step"] for r in rows] == list(range(1, 7)) and [r["batch"] for r in rows[4:]] == [4, 5]
+    assert [r["worker"] for r in rows[4:]] == [0, 1]
+    check_draws(run, [5, 6])  # each worker's 3rd draw: the 2 before were skipped, not sampled again
 
 
 @pytest.mark.parametrize("victim", [pytest.param(0, marks=pytest.mark.slow), 1])  # the first: also tests/test_grpo_vllm_one.py

@@ -45,18 +45,16 @@ def test_the_batch_trains_on_the_target_and_the_turn_end_only():
     assert ids[0, -len(trained):].tolist() == trained
 
 
-def test_it_saves_a_model_then_reuses_it_and_refuses_other_flags(tmp_path):
-    out = tmp_path / "warm"
-    first = warm_start(out)
-    assert first.returncode == 0, first.stderr[-2000:]
+def test_it_saves_a_model_then_reuses_it_and_refuses_other_flags(few_problems_start):
+    data, out = few_problems_start
     with open(out / "warm_start.json") as f:
         record = json.load(f)
     assert [h["step"] for h in record["history"]] == [1, 2] and record["recipe"]["system_prompt"] == SHORT_PROMPT
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(out)  # a whole model directory
-    again = warm_start(out)
+    again = warm_start(out, "--train", data)
     assert again.returncode == 0 and "already made with these flags" in again.stdout
-    other = warm_start(out, "--lr", "1e-4")
+    other = warm_start(out, "--train", data, "--lr", "1e-4")
     assert other.returncode != 0 and "made with other flags" in other.stderr
 
 
@@ -161,6 +159,17 @@ def few_problems(path, first_answer=None):
     return path
 
 
+@pytest.fixture(scope="module")
+def few_problems_start(tmp_path_factory):
+    """One warm start (2 steps) from the first 16 training problems, a file of their own: (that file, the start's
+    directory), for the tests that read a made start (one training for the three of them)."""
+    where = tmp_path_factory.mktemp("few_problems_start")
+    data, out = few_problems(where / "train.jsonl"), where / "warm"
+    made = warm_start(out, "--train", data)
+    assert made.returncode == 0, made.stderr[-2000:]
+    return data, out
+
+
 def test_the_cache_key_changes_with_the_training_data(tmp_path):
     data = few_problems(tmp_path / "train.jsonl")
     key = print_key("--train", data)
@@ -178,12 +187,10 @@ def test_the_cache_key_changes_with_the_flags_and_with_the_dev_data_only_when_it
     assert print_key("--dev", dev) == print_key("--dev", tmp_path / "dev.jsonl")  # without --eval_every it is not read
 
 
-def test_the_record_holds_the_key_and_the_hash_of_each_file_the_start_depends_on(tmp_path):
+def test_the_record_holds_the_key_and_the_hash_of_each_file_the_start_depends_on(few_problems_start):
     from tools.warm_start import START_CODE, file_sha256
-    data = few_problems(tmp_path / "train.jsonl")
-    result = warm_start(tmp_path / "warm", "--train", data)
-    assert result.returncode == 0, result.stderr[-2000:]
-    with open(tmp_path / "warm" / "warm_start.json") as f:
+    data, out = few_problems_start
+    with open(out / "warm_start.json") as f:
         record = json.load(f)
     assert record["key"] == print_key("--steps", "2", "--batch_size", "2", "--system_prompt", SHORT_PROMPT,
                                       "--train", data)
@@ -192,11 +199,13 @@ def test_the_record_holds_the_key_and_the_hash_of_each_file_the_start_depends_on
     assert record["sources"][str(data)] == file_sha256(data)
 
 
-def test_a_start_made_from_other_data_is_refused_in_its_directory_naming_the_file(tmp_path):
-    data = few_problems(tmp_path / "train.jsonl")
-    assert warm_start(tmp_path / "warm", "--train", data).returncode == 0
+def test_a_start_made_from_other_data_is_refused_in_its_directory_naming_the_file(few_problems_start):
+    data, out = few_problems_start
     few_problems(data, first_answer="She has: 3+4=<<3+4=7>>7\n#### 7")
-    again = warm_start(tmp_path / "warm", "--train", data)
+    try:
+        again = warm_start(out, "--train", data)
+    finally:
+        few_problems(data)  # the file the start was made from again, for the other tests of the start
     assert again.returncode != 0 and "made with other flags, code or data" in again.stderr
     assert f"{data} (another version there)" in again.stderr
 
