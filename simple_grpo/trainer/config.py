@@ -14,7 +14,7 @@ from simple_grpo.protocol import DEFAULT_REF_URL
 from simple_grpo.run.doctor import parse_stop_on
 from simple_grpo.run.metrics import Tracker
 from simple_grpo.task.config import TINY_MODEL, TaskConfig, check_task
-from simple_grpo.trainer.deepspeed_config import deepspeed_config, uses_bf16, zero_stage
+from simple_grpo.trainer.deepspeed_engine import deepspeed_config
 from triton_loss import check_loss_impl
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -160,7 +160,8 @@ def from_deepspeed_file(cfg, ds_config, defaults):
     rest reads, and config.json records); returns {flag: (value, why)} for those the user left at default."""
     adamw = ds_config.get("optimizer", {}).get("params", {})
     betas = adamw.get("betas", [cfg.adam_beta1, cfg.adam_beta2])
-    from_file = {"zero_stage": zero_stage(ds_config), "dtype": "bfloat16" if uses_bf16(ds_config) else "float32",
+    from_file = {"zero_stage": int(ds_config.get("zero_optimization", {}).get("stage", 0)),
+                 "dtype": "bfloat16" if ds_config.get("bf16", {}).get("enabled") else "float32",
                  "lr": adamw.get("lr", cfg.lr), "adam_beta1": betas[0], "adam_beta2": betas[1],
                  "adam_epsilon": adamw.get("eps", cfg.adam_epsilon),
                  "weight_decay": adamw.get("weight_decay", cfg.weight_decay),

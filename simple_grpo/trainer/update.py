@@ -21,7 +21,7 @@ def loss_options(cfg):
 
 def optimizer_step(engine, loss):
     """engine.step(): clip the gradients' global 2-norm to --max_grad_norm, one AdamW step, zero the gradients
-    (trainer/deepspeed_config.py). Dropped where the loss or the gradients hold a NaN or inf, which Adam's moments
+    (trainer/deepspeed_engine.py). Dropped where the loss or the gradients hold a NaN or inf, which Adam's moments
     would carry to every weight (ZeRO 1-3 check their partitioned gradients in step() themselves).
     Returns the gradients' norm before clipping (ZeRO 0; None under ZeRO 1-3) and whether the step was taken."""
     grads = [p.grad.norm() for p in engine.module.parameters() if p.grad is not None]  # ZeRO 0: whole here
