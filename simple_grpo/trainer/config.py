@@ -1,6 +1,4 @@
-"""The flags both trainers take (each script's Config extends TrainerConfig) and check_options: it refuses bad
-values before the slow start-up, fills in the defaults that depend on other flags, and prints every number of a
-step as one block (STEP_NUMBERS)."""
+"""The flags both trainers take (each script's Config extends TrainerConfig), and check_options."""
 import dataclasses
 import multiprocessing
 import os
@@ -98,8 +96,8 @@ class TrainerConfig(TaskConfig):
 
 
 def check_options(cfg):
-    """Refuse bad values (check_values), then fill in the defaults that depend on other options, each printed
-    with why (rank 0's trainer process); the trainers write cfg as filled in to runs/NAME/config.json."""
+    """Refuse bad values before the slow start-up, fill in the defaults that depend on other flags, and print
+    every number of a step as one block (rank 0), each default filled in with why (step_numbers)."""
     check_values(cfg)
     derived = {}  # flag -> (value, why): the defaults filled in below, printed at the end
     if cfg.epsilon_high is None:
@@ -119,8 +117,8 @@ def check_options(cfg):
     if not cfg.ref_url:  # whether a reference server is used follows from it (protocol.uses_ref_server)
         cfg.ref_url, why = default_ref_url(cfg)
         derived["ref_url"] = (cfg.ref_url or "(none)", why)
-    # the DeepSpeed config refuses a bad --dtype, or --offload_optimizer without ZeRO; a --deepspeed file's stage,
-    # dtype and optimizer go into cfg. defaults: every flag at its default (lr: this model's), to tell set flags
+    # deepspeed_config refuses a bad --dtype, or --offload_optimizer without ZeRO. defaults: every flag at its
+    # default (lr: this model's), to tell the flags set; a --deepspeed file's stage, dtype and optimizer go into cfg
     defaults = type(cfg)(lr=None if lr_given else cfg.lr)
     ds_config, notes = deepspeed_config(cfg, defaults)
     if cfg.deepspeed:
