@@ -38,7 +38,7 @@ from simple_grpo.lora import is_adapter_dir, merge_adapter_dir
 from simple_grpo.task.config import DataConfig, load_data
 from simple_grpo.task.problems import make_prompt, stop_token_ids
 from simple_grpo.task.rewards import REWARD_FUNCS
-from simple_grpo.trainer.deepspeed_config import DTYPES
+from simple_grpo.trainer.deepspeed_engine import DTYPES
 
 
 @dataclass

@@ -161,7 +161,7 @@ def main(cfg: Config):
             # GRPO 4. the policy's log-probs, the GRPO loss, backward, one optimizer step. engine.step() (in
             # optimizer_step) does what a plain loop writes out: clip the gradients' global 2-norm to
             # --max_grad_norm, one AdamW step (--lr, constant; --adam_beta1, --adam_beta2, --adam_epsilon,
-            # --weight_decay), zero the gradients: simple_grpo/trainer/deepspeed_config.py's flag_config passes
+            # --weight_decay), zero the gradients: simple_grpo/trainer/deepspeed_engine.py's flag_config passes
             # the flags to DeepSpeed (a --deepspeed file may change them; the run says so)
             engine.train()  # training mode: gradient checkpointing and dropout (if not disabled) act only in it
             loss_mask = completion_mask(completion_ids, stop_ids, cfg.mask_truncated_completions)  # (q*G, C)

@@ -10,7 +10,7 @@ parameter, ~7.9 GB for 0.5B). Set-ups:
   before:  torch.set_num_threads(1) (the trainers' --threads on a GPU machine), AdamW's default on CPU
            (a for-loop over parameters, no fused kernel): the trainers' offload until now;
   threads: the same AdamW on --threads threads (0: the cores this process may use);
-  after:   fused AdamW on those threads: what the trainers run now (deepspeed_config, deepspeed_engine).
+  after:   fused AdamW on those threads: what the trainers run now (deepspeed_engine.py).
 Prints one line per set-up and a JSON line {set-up: median seconds per step}. The first step (which makes
 Adam's moments) is not timed.
 """

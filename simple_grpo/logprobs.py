@@ -1,7 +1,5 @@
-"""Fast per-token log-probs of completions, and their entropy, for grpo_vllm_one.py's update and the reference
-server: grpo_math.completion_logps's numbers (the plain version), with a group's prompt run once for its G
-completions, and the log-softmax a chunk of rows at a time (ChunkedLogProbs), in less time and memory.
-"""
+"""grpo_math.completion_logps's per-token log-probs (and entropy) in less time and memory: a group's prompt runs
+once for its G completions, the log-softmax a chunk of rows at a time (ChunkedLogProbs)."""
 import torch
 
 from simple_grpo.devices import auto_device, auto_dtype
@@ -53,9 +51,8 @@ def selective_log_softmax(logits, token_ids, temperature=1.0, chunk_rows=None):
 
 
 def prefill_prompts(model, prompt_ids, prompt_mask, copies):
-    """Run each left-padded prompt once; the output keeps the last position's logits and a KV
-    cache holding `copies` copies of each prompt, one per completion to come (group after group).
-    Positions count real tokens only, as generation does."""
+    """Each left-padded prompt run once: the last position's logits and a KV cache holding `copies` copies of each
+    prompt, one per completion to come. Positions count real tokens only, as in generation."""
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0),
                 use_cache=True, logits_to_keep=1)
     out.past_key_values.batch_repeat_interleave(copies)
@@ -63,11 +60,9 @@ def prefill_prompts(model, prompt_ids, prompt_mask, copies):
 
 
 def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, temperature=1.0, impl="torch", entropy=False):
-    """Per-token log-probs of the completion tokens under `model`, (Q*G, C); with entropy=True, also each
-    position's entropy (token_entropy), from the same logits. prompt_ids (Q, P) are left-padded; completion_ids
-    (Q*G, C) right-padded, the G completions of each prompt one after another. Each prompt runs once and its KV
-    cache is copied G times: the numbers of one forward over prompt + completion, for less work. Positions count
-    real tokens only, as in generation."""
+    """Per-token log-probs of the completions under `model`, (Q*G, C) (entropy=True: and token_entropy's). prompt_ids
+    (Q, P) left-padded; completion_ids (Q*G, C) right-padded, each prompt's G completions one after another. Each
+    prompt runs once (but under gradient checkpointing in training): one forward's numbers, for less work."""
     Q, B, C = prompt_ids.size(0), completion_ids.size(0), completion_ids.size(1)
     if B % Q:
         raise ValueError(f"{B} completions for {Q} prompts: expected the same number per prompt")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from simple_grpo.trainer.deepspeed_config import deepspeed_config
+from simple_grpo.trainer.deepspeed_engine import deepspeed_config
 from grpo_math import capped_is_weight, grpo_loss
 from simple_grpo.logprobs import sequence_logps
 from grpo_train import Config
@@ -108,7 +108,7 @@ def test_a_deepspeed_file_changing_the_optimizer_clipping_or_schedule_is_named(t
     path.write_text(json.dumps({"optimizer": {"params": {"weight_decay": 0.1}}, "gradient_clipping": 0.5,
                                 "scheduler": {"type": "WarmupLR"}}))
     _, notes = deepspeed_config(Config(deepspeed=str(path)), Config())
-    where = "(trainer/deepspeed_config.py's flag_config)"
+    where = "(trainer/deepspeed_engine.py's flag_config)"
     assert notes == [f"--deepspeed {path}: optimizer.params.weight_decay = 0.1 from the file, where the trainers set "
                      f"0.0 {where}",
                      f"--deepspeed {path}: gradient_clipping = 0.5 from the file, where the trainers set 1.0 {where}",

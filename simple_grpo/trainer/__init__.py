@@ -1,1 +1,1 @@
-"""The trainer's side: flags (config.py), the GRPO update (update.py), DeepSpeed (deepspeed_*.py), memory_plan.py."""
+"""The trainer's side: flags (config.py), the GRPO update (update.py), DeepSpeed (deepspeed_engine.py), memory_plan.py."""

@@ -1,6 +1,4 @@
-"""The flags both trainers take (each script's Config extends TrainerConfig) and check_options: it refuses bad
-values before the slow start-up, fills in the defaults that depend on other flags, and prints every number of a
-step as one block (STEP_NUMBERS)."""
+"""The flags both trainers take (each script's Config extends TrainerConfig), and check_options."""
 import dataclasses
 import multiprocessing
 import os
@@ -14,7 +12,7 @@ from simple_grpo.protocol import DEFAULT_REF_URL
 from simple_grpo.run.doctor import parse_stop_on
 from simple_grpo.run.metrics import Tracker
 from simple_grpo.task.config import TINY_MODEL, TaskConfig, check_task
-from simple_grpo.trainer.deepspeed_config import deepspeed_config, uses_bf16, zero_stage
+from simple_grpo.trainer.deepspeed_engine import deepspeed_config
 from triton_loss import check_loss_impl
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -98,8 +96,8 @@ class TrainerConfig(TaskConfig):
 
 
 def check_options(cfg):
-    """Refuse bad values (check_values), then fill in the defaults that depend on other options, each printed
-    with why (rank 0's trainer process); the trainers write cfg as filled in to runs/NAME/config.json."""
+    """Refuse bad values before the slow start-up, fill in the defaults that depend on other flags, and print
+    every number of a step as one block (rank 0), each default filled in with why (step_numbers)."""
     check_values(cfg)
     derived = {}  # flag -> (value, why): the defaults filled in below, printed at the end
     if cfg.epsilon_high is None:
@@ -119,8 +117,8 @@ def check_options(cfg):
     if not cfg.ref_url:  # whether a reference server is used follows from it (protocol.uses_ref_server)
         cfg.ref_url, why = default_ref_url(cfg)
         derived["ref_url"] = (cfg.ref_url or "(none)", why)
-    # the DeepSpeed config refuses a bad --dtype, or --offload_optimizer without ZeRO; a --deepspeed file's stage,
-    # dtype and optimizer go into cfg. defaults: every flag at its default (lr: this model's), to tell set flags
+    # deepspeed_config refuses a bad --dtype, or --offload_optimizer without ZeRO. defaults: every flag at its
+    # default (lr: this model's), to tell the flags set; a --deepspeed file's stage, dtype and optimizer go into cfg
     defaults = type(cfg)(lr=None if lr_given else cfg.lr)
     ds_config, notes = deepspeed_config(cfg, defaults)
     if cfg.deepspeed:
@@ -160,7 +158,8 @@ def from_deepspeed_file(cfg, ds_config, defaults):
     rest reads, and config.json records); returns {flag: (value, why)} for those the user left at default."""
     adamw = ds_config.get("optimizer", {}).get("params", {})
     betas = adamw.get("betas", [cfg.adam_beta1, cfg.adam_beta2])
-    from_file = {"zero_stage": zero_stage(ds_config), "dtype": "bfloat16" if uses_bf16(ds_config) else "float32",
+    from_file = {"zero_stage": int(ds_config.get("zero_optimization", {}).get("stage", 0)),
+                 "dtype": "bfloat16" if ds_config.get("bf16", {}).get("enabled") else "float32",
                  "lr": adamw.get("lr", cfg.lr), "adam_beta1": betas[0], "adam_beta2": betas[1],
                  "adam_epsilon": adamw.get("eps", cfg.adam_epsilon),
                  "weight_decay": adamw.get("weight_decay", cfg.weight_decay),

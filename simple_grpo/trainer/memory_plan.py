@@ -1,12 +1,6 @@
-"""What a GRPO run will need on its GPUs and host, from the model's config alone: the trainers' --plan.
-
-    python grpo_vllm_one.py --plan --model configs/qwen2.5-7b --dtype bfloat16 --zero_stage 2 \\
-        --offload_optimizer --gradient_checkpointing --plan_gpu_gb 80 --max_new_tokens 700 --max_model_len 1024
-    WORLD_SIZE=8 python grpo_vllm_one.py --plan ...      # the plan for 8 training ranks on one node
-
-prints a table and one JSON line. GB are 10^9 bytes. How each row is counted: the functions below, and
-docs/gpu_notes.md, which checks the plan against runs.
-"""
+"""--plan: what a GRPO run will need on its GPUs and host, from the model's config alone, as a table and one JSON
+line (GB: 10^9 bytes; docs/gpu_notes.md checks it against runs), e.g. for 8 training ranks on one node:
+    WORLD_SIZE=8 python grpo_vllm_one.py --plan --model configs/qwen2.5-7b --dtype bfloat16 --zero_stage 2"""
 import functools
 import json
 import math

@@ -1,6 +1,5 @@
-"""grpo_vllm_one.py's GRPO update: the batch's log-probs under the policy (simple_grpo/logprobs.py), the loss
-(grpo_math.grpo_loss), backward and one optimizer step, in micro-batches, on several ranks and iterations.
-grpo_train.py writes the same step out plainly and shares loss_options, optimizer_step and step_stats."""
+"""grpo_vllm_one.py's GRPO update (grpo_train.py writes it out plainly): log-probs, loss, backward and one optimizer
+step, in micro-batches, on several ranks and iterations."""
 import math
 
 import torch
@@ -20,9 +19,8 @@ def loss_options(cfg):
 
 
 def optimizer_step(engine, loss):
-    """engine.step(): clip the gradients' global 2-norm to --max_grad_norm, one AdamW step, zero the gradients
-    (trainer/deepspeed_config.py). Dropped where the loss or the gradients hold a NaN or inf, which Adam's moments
-    would carry to every weight (ZeRO 1-3 check their partitioned gradients in step() themselves).
+    """engine.step() (trainer/deepspeed_engine.py), dropped where the loss or the gradients hold a NaN or inf, which
+    Adam's moments would carry to every weight (ZeRO 1-3 check their partitioned gradients in step() themselves).
     Returns the gradients' norm before clipping (ZeRO 0; None under ZeRO 1-3) and whether the step was taken."""
     grads = [p.grad.norm() for p in engine.module.parameters() if p.grad is not None]  # ZeRO 0: whole here
     norm = torch.stack(grads).norm().item() if grads else None
@@ -65,12 +63,11 @@ def reference_logps(engine, batch, cfg):
 
 
 def grpo_update(engine, batch, cfg):
-    """The GRPO update on one collated batch (batch["loss_mask"] (B, C): the tokens the loss counts): the stats,
-    and the last iteration's per-token log-probs (B, C). pi_old, the ratio's base, is the trainer's own log-probs
-    at the first iteration (ratio 1 there). vLLM's batch["sampler_logps"] weight each token (capped importance
-    sampling, --tis_cap), or with --tis_cap 0 are pi_old. num_iterations > 1 takes several steps on the same
-    rollouts (PPO's epochs): from the second on the ratio moves off 1 and the clip bounds the update."""
-    engine.train()  # checkpointing and dropout act only in training mode (from_pretrained leaves evaluation mode)
+    """The GRPO update on one collated batch: the stats, and the last iteration's per-token log-probs (B, C).
+    pi_old, the ratio's base, is the trainer's own log-probs of the first iteration; vLLM's batch["sampler_logps"]
+    weight each token (--tis_cap), or with --tis_cap 0 are pi_old. From the second of --num_iterations on, the
+    ratio moves off 1 and the clip bounds the update."""
+    engine.train()  # checkpointing and dropout act only in training mode
     batch = {k: v.to(engine.device) for k, v in batch.items()}
     loss_mask = batch["loss_mask"]  # (B, C)
     G, parts = micro_batches(batch, cfg)
