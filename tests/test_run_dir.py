@@ -86,7 +86,7 @@ def test_a_repeated_command_is_refused_and_resume_or_overwrite_say_what_happens(
 
     out, _ = train(tmp_path, "again", "--steps", "1", "--overwrite")  # replaced: a new run of one step
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "--overwrite: deleting the earlier run's 2 checkpoint(s)" in out.stdout
+    assert out.stdout.count("--overwrite: deleting step_") == 2
     assert steps_logged(run_dir) == [1] and sorted(p.name for p in run_dir.glob("step_*")) == ["step_1"]
 
 

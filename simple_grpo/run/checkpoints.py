@@ -1,10 +1,6 @@
-"""A run's directory, checkpoints a kill cannot corrupt, and --resume (both trainers).
-
-runs/NAME/ holds config.json, metrics.jsonl and step_N/: the policy in HF format and, in deepspeed/, what --resume
-needs (optimizer, scheduler, step, RNGs, data position; only the latest checkpoint keeps it). A save is written to
-step_N.tmp/ and renamed to step_N/ when whole, so a kill leaves the whole checkpoint or a .tmp/ that the next start
-deletes. A used directory is continued only with --resume and replaced only with --overwrite.
-"""
+"""runs/NAME/: config.json, metrics.jsonl and step_N/ (the policy in HF format; the latest also keeps, in deepspeed/,
+what --resume needs). A save goes to step_N.tmp/, renamed to step_N/ when whole: a kill leaves a .tmp/ that the next
+start deletes. A used directory is continued only with --resume and replaced only with --overwrite."""
 import contextlib
 import json
 import os
@@ -156,15 +152,10 @@ def open_run(cfg, engine):
     if rank0:
         check_run_dir(cfg)  # again: another run may have begun in it since
         os.makedirs(run_dir, exist_ok=True)
-        for d in os.listdir(run_dir):
-            if re.fullmatch(r"step_\d+\.tmp", d):
-                print(f"{run_dir}: removing {d}/, a checkpoint whose save was interrupted")
+        for d in os.listdir(run_dir):  # saves that were interrupted; with --overwrite, every checkpoint
+            if re.fullmatch(r"step_\d+\.tmp", d) or cfg.overwrite and d.startswith("step_"):
+                print(f"{run_dir}: {'--overwrite: deleting' if cfg.overwrite else 'removing'} {d}/")
                 shutil.rmtree(os.path.join(run_dir, d))
-        earlier = [d for d in os.listdir(run_dir) if d.startswith("step_")] if cfg.overwrite else []
-        if earlier:
-            print(f"{run_dir}: --overwrite: deleting the earlier run's {len(earlier)} checkpoint(s) and logs")
-        for d in earlier:
-            shutil.rmtree(os.path.join(run_dir, d))
     barrier()
     if cfg.resume:
         done, state = load_checkpoint(engine, run_dir)

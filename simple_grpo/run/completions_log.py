@@ -1,16 +1,7 @@
-"""runs/NAME/completions.jsonl: every --log_completions_every N steps, a few trained completions, token by token
-(tools/view_run.py shows them). One JSON object per line:
-
-    {"step": 40, "prompt": "...",                    # the prompt text, chat template applied
-     "completion": "...", "reward": 1.5,             # the decoded completion, its weighted reward
-     "rewards": {"correctness": 1.0, "format": 1.0}, "advantage": 0.93,
-     "tokens": ["<think>", " 3", ...],               # each decoded on its own, up to and including the stop token
-     "logps": [...], "sampler_logps": [...], "ratio": [...]}  # per token (or null): the trainer's log-prob,
-                                                     # the sampler's (vLLM's), exp(logps - sampler_logps)
-
-The trainers call log_batch_completions; tools/probe.py builds rows with completion_rows and writes them with
-log_completions. Completions are model output: untrusted text wherever they are shown.
-"""
+"""runs/NAME/completions.jsonl: every --log_completions_every N steps, a few trained completions (tools/view_run.py
+shows them; model output, untrusted text). One JSON object per line: step, prompt, completion, reward, rewards (by
+function), advantage, tokens (each decoded alone, the stop token included) and, per token or null, logps (the
+trainer's), sampler_logps (vLLM's) and ratio (exp(logps - sampler_logps))."""
 import json
 import math
 import os

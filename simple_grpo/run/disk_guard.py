@@ -1,7 +1,4 @@
-"""A full disk, told apart from other write errors and named in plain words. torch.save on a full disk raises
-RuntimeError("... unexpected pos ...") with no errno: a write error counts as a full disk when it says ENOSPC/EDQUOT
-or the disk has less room left than the write needed.
-"""
+"""A full disk, told apart from other write errors (torch.save's has no errno) and named in plain words."""
 import errno
 import os
 import shutil
@@ -21,7 +18,8 @@ def tree_bytes(path):
 
 
 def is_disk_full(error, path, needed=1 << 20):
-    """Whether `error`, raised writing under path, came from a full disk (or quota)."""
+    """Whether `error`, raised writing under path, came from a full disk (or quota): ENOSPC or EDQUOT in its chain,
+    or less room left than the write needed."""
     seen = error
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -42,8 +40,7 @@ def full_disk_exit(path, what):
 
 
 def append_lines(path, lines):
-    """Append lines to a log of the run (metrics.jsonl, completions.jsonl); on a full disk, stop the
-    run with a message that says so, rather than a traceback."""
+    """Append lines to a log of the run; a full disk stops the run with a message that says so."""
     try:
         with open(path, "a", encoding="utf-8") as f:
             f.writelines(lines)

@@ -1,9 +1,6 @@
-"""The run doctor: warnings in plain words when a run looks alive but is not learning (GRPO's failures are quiet:
-the loss stays near 0 whatever happens). It reads each generated batch and each step's record; a rule speaks once
-when its condition starts (again only after it has cleared), on the console and as a line in metrics.jsonl:
-{"step": 12, "warning": "kl", "message": ...}. The thresholds are the --doctor_* flags; with --stop_on RULES
-(e.g. no_signal,kl) a rule that fires stops the run with its message.
-"""
+"""The run doctor: plain-word warnings when a run looks alive but is not learning. A rule speaks when its condition
+starts, on the console and as a line in metrics.jsonl; the --doctor_* flags set when, and --stop_on RULES
+(e.g. no_signal,kl) stops the run when one of them fires."""
 import json
 from collections import Counter
 
@@ -18,9 +15,8 @@ GAP_OUTLIER = 1.0  # nats: a token whose sampler and trainer log-probs differ by
 
 
 def sampler_gap_details(completion_ids, loss_mask, trainer_logps, sampler_logps):
-    """What the mismatch rule reads, over one batch's kept tokens that vLLM gave a log-prob for: the mean and largest
-    gap, the completions with a gap above GAP_OUTLIER, the largest gap's token, position and log-probs; and the kept
-    tokens vLLM gave none for (NO_LOGP, its padding; 0.0 is a token it is sure of). Each argument (B, C)."""
+    """The mismatch rule's figures over one batch's kept tokens (each argument (Q*G, C)): the gap between vLLM's and
+    the trainer's log-probs, and the kept tokens vLLM gave none for (NO_LOGP, its padding)."""
     kept = loss_mask.bool()
     unreported = kept & (sampler_logps == NO_LOGP)
     gap = ((trainer_logps - sampler_logps).abs()).masked_fill(~kept | unreported, 0.0)
@@ -42,8 +38,7 @@ def parse_stop_on(text):
 
 
 def batch_summary(rewards, scores, texts, has_signal):
-    """One batch's figures for the doctor, JSON-safe (it crosses processes). rewards (Q*G,); scores [Q*G] dicts
-    (task/rewards.py's score); texts [Q*G]; has_signal (Q,)."""
+    """One batch's figures for the doctor, JSON-safe. rewards (Q*G,); scores, texts [Q*G]; has_signal (Q,)."""
     return {"groups": len(has_signal), "groups_with_signal": int(has_signal.sum()),
             "rewards": [round(r, 3) for r in rewards.tolist()],
             "sample": {"completion": texts[0], "scores": scores[0]}}
@@ -59,8 +54,7 @@ def shorten(text, n=160):
 
 
 class RunDoctor:
-    """Watches one run (the trainer's rank 0): batch() takes each batch_summary, step() each step record; both
-    return the message of a --stop_on rule that fired, else None."""
+    """batch() takes each batch_summary, step() each step record; both return a --stop_on rule's message or None."""
 
     def __init__(self, cfg, metrics_path):
         self.cfg, self.metrics_path = cfg, metrics_path
@@ -172,14 +166,11 @@ class RunDoctor:
         """Speak when `rule` starts firing; returns the stop message if it is a --stop_on rule."""
         if not firing:
             self.active.discard(rule)
-            return None
-        if rule in self.active:
+        if not firing or rule in self.active:
             return None
         self.active.add(rule)
         text = message()
         tqdm.write(f"run doctor [{rule}] at step {step}: {text}")
         if self.metrics_path:
             append_lines(self.metrics_path, [json.dumps({"step": step, "warning": rule, "message": text}) + "\n"])
-        if rule in self.stop_on:
-            return f"run doctor stopped the run (--stop_on {rule}): {text}"
-        return None
+        return f"run doctor stopped the run (--stop_on {rule}): {text}" if rule in self.stop_on else None

@@ -1,6 +1,5 @@
-"""The run's log: one JSON line per step in runs/NAME/metrics.jsonl, with the run doctor's warnings among them
-({"step": 3, "warning": "kl", "message": ...}: readers tell them apart by "warning"), and curves.png drawn from it
-at the end. --report_to also sends each step to TensorBoard or W&B."""
+"""runs/NAME/metrics.jsonl: one JSON line per step, and the run doctor's warnings (lines with a "warning" key);
+curves.png drawn from it at the end. --report_to also sends each step to TensorBoard or W&B."""
 import dataclasses
 import importlib.util
 import io
@@ -61,52 +60,42 @@ def is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def add_part_stats(stats, part, share):
-    """Fold one micro-batch's diagnostics into the step's: *_min and *_max keep the extremes, the rest are token
-    means, weighted by the part's share of the step's tokens."""
+# the largest sampler gap's figures (doctor.sampler_gap_details): taken from the part that holds it
+AT_LARGEST_GAP = ("sampler_gap_token", "sampler_gap_pos", "sampler_gap_sampler_logp", "sampler_gap_trainer_logp")
+
+
+def add_part_stats(stats, part, share=1):
+    """Fold one part's diagnostics (a micro-batch's, or a rank's) into `stats`: *_max and *_min keep the extremes,
+    AT_LARGEST_GAP comes from the part with the largest gap, the rest add up, weighted by `share`."""
+    larger_gap = part.get("sampler_gap_max", 0.0) > stats.get("sampler_gap_max", -math.inf)
     for key, value in part.items():
         if key.endswith("_max"):
             stats[key] = max(stats.get(key, value), value)
         elif key.endswith("_min"):
             stats[key] = min(stats.get(key, value), value)
+        elif key in AT_LARGEST_GAP:
+            stats[key] = value if larger_gap else stats[key]
         else:
-            stats[key] = stats.get(key, 0.0) + value * share
-
-
-# the largest sampler gap's figures (doctor.sampler_gap_details): taken from the rank that holds it
-AT_LARGEST_GAP = ("sampler_gap_token", "sampler_gap_pos", "sampler_gap_sampler_logp", "sampler_gap_trainer_logp")
+            stats[key] = stats.get(key, 0) + value * share
 
 
 def stats_over_ranks(stats):
-    """The whole batch's diagnostics from every rank's: *_max and *_min keep the extremes, AT_LARGEST_GAP comes
-    from the rank with the largest gap, the rest add up (each rank's share of a token mean, or its counts)."""
+    """The whole batch's diagnostics: every rank's, folded by add_part_stats (each holds its share of a token mean,
+    or its counts)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return stats
-    every = [None] * dist.get_world_size()
+    every, merged = [None] * dist.get_world_size(), {}
     dist.all_gather_object(every, stats)
-    merged = {}
-    for key in stats:
-        values = [s[key] for s in every]
-        if key.endswith("_max"):
-            merged[key] = max(values)
-        elif key.endswith("_min"):
-            merged[key] = min(values)
-        elif key in AT_LARGEST_GAP:
-            merged[key] = max(every, key=lambda s: s["sampler_gap_max"])[key]
-        else:
-            merged[key] = sum(values)
+    for part in every:
+        add_part_stats(merged, part)
     return merged
-
-
-def significant(value, digits=6):
-    """value to `digits` significant digits, so that an lr of 1e-6 is not logged as 0.0."""
-    return float(f"{value:.{digits}g}")
 
 
 def log_step(metrics_path, record, tracker=None):
     if record.get("skipped_updates"):
         tqdm.write(f"warning: step {record['step']}: non-finite loss or gradient, update skipped")
-    append_lines(metrics_path, [json.dumps({k: significant(v) if isinstance(v, float) else v
+    # floats to 6 significant digits: an lr of 1e-6 is not logged as 0.0
+    append_lines(metrics_path, [json.dumps({k: float(f"{v:.6g}") if isinstance(v, float) else v
                                             for k, v in record.items()}) + "\n"])
     if tracker is not None:
         tracker.log(record)
@@ -126,15 +115,6 @@ def read_metrics(metrics_path):
     return steps, warnings
 
 
-def running_mean(values, window):
-    """At each point, the mean of the last `window` values (of fewer at the start)."""
-    means = []
-    for i in range(len(values)):
-        recent = values[max(0, i - window + 1):i + 1]
-        means.append(sum(recent) / len(recent))
-    return means
-
-
 def curves_png(rows, keys, columns=4):
     """One panel per key the step records hold, raw values faint and a running mean (over a tenth of the steps,
     1 to 20) bold, as PNG bytes; None when none of the keys is logged."""
@@ -151,7 +131,8 @@ def curves_png(rows, keys, columns=4):
         steps, values = [s for s, _ in points], [v for _, v in points]
         window = max(1, min(20, len(values) // 10))
         ax.plot(steps, values, alpha=0.3, color="tab:blue")
-        ax.plot(steps, running_mean(values, window), color="tab:blue", linewidth=2)
+        means = [sum(values[max(0, i - window + 1):i + 1]) / min(i + 1, window) for i in range(len(values))]
+        ax.plot(steps, means, color="tab:blue", linewidth=2)
         ax.set_title(f"{key} (line: mean of {window})" if key == keys[0] else key)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
