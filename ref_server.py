@@ -42,8 +42,7 @@ def ref_worker(model, todo, done, stats, lock):
 
 
 class Finished:
-    """Finished groups, oldest first, at most maxsize; a trainer takes its run_id's. When full, a group older than
-    stale_s (of a run that stopped taking them) makes room."""
+    """Finished groups, oldest first, at most maxsize, taken by run_id; when full, one older than stale_s makes room."""
 
     def __init__(self, maxsize, stale_s=600.0):
         self.items, self.maxsize, self.stale_s, self.changed = [], maxsize, stale_s, threading.Condition()

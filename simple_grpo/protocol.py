@@ -73,8 +73,7 @@ def uses_ref_server(cfg):
 
 
 def ref_request(cfg, method, path, **kwargs):
-    """One HTTP call to cfg.ref_url; no answer (refused, reset, timed out, 429, 5xx but 503) is retried with backoff
-    for cfg.peer_timeout seconds, then the run stops."""
+    """One HTTP call to cfg.ref_url; no answer (nor 429, 5xx but 503) is retried for cfg.peer_timeout seconds."""
     token = cfg.ref_token or os.environ.get(TOKEN_ENV, "")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     first_failure, delay = None, 0.25
@@ -113,8 +112,7 @@ def post_groups(cfg, groups):
 
 
 def take_group(cfg, run_id, timeout, waiting=None, policy_version=None):
-    """The oldest finished group (tensors, meta) of this run, polled for; waiting(waited_s) runs between polls; after
-    timeout seconds (None: waiting keeps the deadline) the run stops."""
+    """This run's oldest finished group (tensors, meta), polled for (waiting(waited_s) between) until timeout s."""
     start, params = time.time(), {"wait": 2, "run_id": run_id, "policy_version": policy_version}  # None: not sent
     while True:
         r = ref_request(cfg, "GET", "/get", params=params)

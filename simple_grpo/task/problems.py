@@ -1,7 +1,5 @@
-"""The task: its flags (DataConfig, TaskConfig), the problems and the prompts. A problem is {"question": str,
-"answer": "...#### N"}, read from a .jsonl, .json, .parquet or .csv file or a hub dataset ("openai/gsm8k", config
-"main"). A prompt is the question in the model's chat template, or plain text.
-"""
+"""The task: its flags (DataConfig, TaskConfig), the problems ({"question": str, "answer": "...#### N"}, from a
+file or a hub dataset) and the prompts."""
 import csv
 import json
 import os
@@ -163,8 +161,7 @@ def load_jsonl(path):
 
 
 def make_prompt(tokenizer, question, prompt_format="chat", system_prompt=SYSTEM_PROMPT):
-    """The text the model continues: the chat template with the assistant's turn opened, or raw text ending at
-    "Assistant:"."""
+    """The text the model continues: the chat template with the assistant's turn opened, or raw text."""
     if prompt_format == "chat":
         messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -174,8 +171,7 @@ def make_prompt(tokenizer, question, prompt_format="chat", system_prompt=SYSTEM_
 
 
 def chat_turn_end_id(tokenizer):
-    """The special token the chat template writes after an assistant turn (<|im_end|> for ChatML, <|eot_id|>
-    for Llama 3), or None where the tokenizer has no template or the template ends a turn with ordinary text."""
+    """The special token the chat template writes after an assistant turn (<|im_end|>, <|eot_id|>), else None."""
     if not tokenizer.chat_template:
         return None
     marker = "\u2063answer\u2063"  # text no template writes itself
@@ -186,8 +182,7 @@ def chat_turn_end_id(tokenizer):
 
 
 def stop_token_ids(tokenizer, prompt_format="chat", model=None):
-    """The ids that end a completion: the tokenizer's EOS, the chat template's turn end, and the model's generation
-    config's eos ids (model: its directory; None: the tokenizer's), at which vLLM stops too."""
+    """The ids that end a completion: the tokenizer's EOS, the chat template's turn end, the generation config's."""
     from transformers import AutoConfig, GenerationConfig
     model = model or tokenizer.name_or_path
     try:

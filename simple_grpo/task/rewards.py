@@ -146,8 +146,7 @@ def pick_accuracy_reward(weights) -> str:
 
 
 def score(completion: str, answer: str, weights=None, report=("correctness", "format")) -> dict:
-    """Every reward named in `weights` (name -> weight, default DEFAULT_WEIGHTS) and in `report` (in every log,
-    weighted or not); `reward`: the weighted sum. A reward that raises or returns no number is named."""
+    """Each reward in `weights` (default DEFAULT_WEIGHTS) and `report`, and `reward`: the weighted sum."""
     weights, out = weights or DEFAULT_WEIGHTS, {}
     _known([*weights, *report])
     for name in dict.fromkeys([*report, *weights]):  # in order, once each
