@@ -35,8 +35,7 @@ from simple_grpo.evaluation import context_length, hf_generate, summarize, vllm_
 from simple_grpo.flags import flag, parse_flags
 from simple_grpo.generation.vllm_sampler import quiet_vllm
 from simple_grpo.lora import is_adapter_dir, merge_adapter_dir
-from simple_grpo.task.config import DataConfig, load_data
-from simple_grpo.task.problems import make_prompt, stop_token_ids
+from simple_grpo.task.problems import DataConfig, load_data, make_prompt, stop_token_ids
 from simple_grpo.task.rewards import REWARD_FUNCS
 from simple_grpo.trainer.deepspeed_engine import DTYPES
 
@@ -50,7 +49,7 @@ class EvalConfig(DataConfig):
     n: int = flag(0, "evaluate the first n problems (0: all)")
     temperature: float = flag(0.0, "sampling temperature; 0: greedy")
     samples: int = flag(1, "completions per problem (needs temperature > 0 when > 1)")
-    max_new_tokens: int = flag(64, "the longest completion, in tokens: above the trainers' 48 (task/config.py), so "
+    max_new_tokens: int = flag(64, "the longest completion, in tokens: above the trainers' 48 (task/problems.py), so "
                                    "that an answer a little longer than training allowed is still read whole; the "
                                    "before/after figures of make demo (README) are at 64")
     backend: str = flag("auto", "auto (vllm if installed, else hf), vllm or hf")

@@ -29,7 +29,7 @@ functions, constants and flags a step runs through):
      --adam_epsilon, --weight_decay, --max_grad_norm). --num_iterations > 1 repeats 4 on the same rollouts
      (PPO's epochs).
 Every number a default step uses is a flag, `python grpo_train.py --help` lists each with its default
-(simple_grpo/trainer/config.py's TrainerConfig, and the task/config.py TaskConfig it extends: G, T,
+(simple_grpo/trainer/config.py's TrainerConfig, and the task/problems.py TaskConfig it extends: G, T,
 --max_new_tokens), the 1e-4 added to a group's reward std too (--advantage_eps; TRL's value).
 At start it prints every number of a step as one block, and why for each default it derived from other flags
 (trainer/config.py's check_options);
@@ -57,8 +57,7 @@ from simple_grpo.run.completions_log import log_batch_completions
 from simple_grpo.run.doctor import RunDoctor, batch_summary
 from simple_grpo.run.metrics import Tracker, finish_run, log_step
 from simple_grpo.run.preflight import preflight
-from simple_grpo.task.config import load_data
-from simple_grpo.task.problems import make_prompt, stop_token_ids
+from simple_grpo.task.problems import load_data, make_prompt, stop_token_ids
 from simple_grpo.task.rewards import parse_reward_spec, pick_accuracy_reward
 from simple_grpo.trainer.config import TrainerConfig, check_options
 from simple_grpo.trainer.deepspeed_engine import leave_process_group, make_engine

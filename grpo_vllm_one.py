@@ -44,8 +44,7 @@ from simple_grpo.run.completions_log import log_batch_completions
 from simple_grpo.run.doctor import RunDoctor, batch_summary
 from simple_grpo.run.metrics import Tracker, finish_run, log_step
 from simple_grpo.run.preflight import preflight
-from simple_grpo.task.config import load_data
-from simple_grpo.task.problems import make_prompt, stop_token_ids
+from simple_grpo.task.problems import load_data, make_prompt, stop_token_ids
 from simple_grpo.task.rewards import extract_answer, parse_reward_spec, pick_accuracy_reward
 from simple_grpo.trainer.config import TrainerConfig, check_options
 from simple_grpo.trainer.deepspeed_engine import leave_process_group, make_engine

@@ -1,12 +1,8 @@
-"""The reference server: holds the frozen reference model and adds its log-probs to rollouts.
+"""The reference server: generators POST groups to /upload, a thread adds the frozen reference model's log-probs,
+trainers GET /get them, oldest first. Queues are bounded in groups and bytes (full: 503).
 
-    python ref_server.py                                  # tiny default model, 127.0.0.1:59875
-    python ref_server.py --model Qwen/Qwen2.5-0.5B --port 59875 --device cuda:0
-    SIMPLE_GRPO_TOKEN=secret python ref_server.py --host 0.0.0.0   # off loopback a token is needed (--ref_token)
-
-Generators POST groups of rollouts to /upload; a worker thread adds the reference model's per-token log-probs (the
-KL term's), and trainers GET /get the finished groups, oldest first: the trainer's device keeps its memory. Uploads are
-checked (simple_grpo/http_server.py), the queues bounded in groups and in bytes (full: 503); /stats counts.
+    python ref_server.py --model Qwen/Qwen2.5-0.5B --device cuda:0   # default: the tiny model on 127.0.0.1:59875
+    SIMPLE_GRPO_TOKEN=secret python ref_server.py --host 0.0.0.0     # off loopback a token is needed (--ref_token)
 """
 import queue
 import sys
@@ -33,7 +29,7 @@ def ref_worker(model, todo, done, stats, lock):
             logps = sequence_logps(model, prompt, torch.ones_like(prompt), tensors["completion_ids"].to(model.device),
                                    meta.get("temperature", 1.0))  # (G, C)
             tensors["ref_logps"] = logps.float().cpu()
-            stats["ref_s"] += time.time() - t0  # the reference forward's seconds, for bench/gpu_scale.py
+            stats["ref_s"] += time.time() - t0
             dropped = done.put(meta.get("run_id"), (size, encode(tensors, meta)))  # waits while trainers are behind
             with lock:
                 stats["queued_bytes"] -= sum(stale_size for stale_size, _ in dropped)
@@ -46,8 +42,7 @@ def ref_worker(model, todo, done, stats, lock):
 
 
 class Finished:
-    """Finished groups waiting for trainers, oldest first, at most maxsize; a trainer takes its own run_id's
-    (ranks share a server). When full, a group older than stale_s (a run that stopped taking them) makes room."""
+    """Finished groups, oldest first, at most maxsize, taken by run_id; when full, one older than stale_s makes room."""
 
     def __init__(self, maxsize, stale_s=600.0):
         self.items, self.maxsize, self.stale_s, self.changed = [], maxsize, stale_s, threading.Condition()
@@ -91,7 +86,7 @@ def make_app(model, cfg: ServerConfig):
     @app.post("/upload")
     def upload():
         size, tensors, meta = read_rollout(cfg, model.config, stats)
-        with lock:  # bounded in bytes as well as in groups: memory stays bounded under any flood
+        with lock:
             if stats["queued_bytes"] + size > cfg.max_queue_mb * 2**20 or todo.full():
                 stats["rejected_full"] += 1
                 return answer(503, "queue full: retry later")
@@ -121,7 +116,7 @@ def make_app(model, cfg: ServerConfig):
 
 
 def main(cfg: ServerConfig):
-    check_exposure(cfg)  # an address beyond loopback needs a token: refused before the model loads
+    check_exposure(cfg)  # before the model loads
     serve(make_app(load_reference(cfg), cfg), cfg)
 
 

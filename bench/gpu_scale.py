@@ -199,8 +199,7 @@ def padded_prompt_len(run_dir, batch_prompts, draws=200):
     mean over `draws` random batches of the run's problems, with its prompt format and the model's tokenizer."""
     from types import SimpleNamespace
     from transformers import AutoTokenizer
-    from simple_grpo.task.config import load_data
-    from simple_grpo.task.problems import make_prompt
+    from simple_grpo.task.problems import load_data, make_prompt
     run = SimpleNamespace(**json.load(open(os.path.join(run_dir, "config.json"))))
     tokenizer, rng = AutoTokenizer.from_pretrained(run.model), random.Random(0)
     problems = load_data(run)

@@ -28,7 +28,7 @@ from simple_grpo.task.problems import make_prompt, stop_token_ids  # noqa: E402
 from grpo_math import completion_mask, grpo_loss  # noqa: E402
 from simple_grpo.logprobs import sequence_logps  # noqa: E402
 from simple_grpo.rollouts import collate  # noqa: E402
-from simple_grpo.task.config import load_data  # noqa: E402
+from simple_grpo.task.problems import load_data  # noqa: E402
 from bench.harness import SamplerConfig  # noqa: E402
 from simple_grpo.generation.vllm_sampler import sample, start_vllm  # noqa: E402
 

@@ -25,8 +25,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.harness import GROUP, PROMPTS, TEMPERATURE, TRAIN, SamplerConfig  # noqa: E402 - the same work
-from simple_grpo.task.problems import make_prompt, stop_token_ids  # noqa: E402
-from simple_grpo.task.config import load_data  # noqa: E402
+from simple_grpo.task.problems import load_data, make_prompt, stop_token_ids  # noqa: E402
 from simple_grpo.generation.vllm_sampler import sample, start_vllm  # noqa: E402
 from simple_grpo.generation.workers import place_worker  # noqa: E402
 

@@ -25,8 +25,7 @@ def answer(status, reason):
 
 
 def add_token_check_and_health(app, cfg, stats):
-    """With cfg.token set, a request without 'Authorization: Bearer TOKEN' gets 401. GET /health says what the
-    server serves: the model, its fingerprint (protocol.check_reference), device, dtype and physical GPU."""
+    """With cfg.token set, a request without 'Authorization: Bearer TOKEN' gets 401; GET /health says what is served."""
     started = time.time()
     about = {"model": cfg.model, "fingerprint": model_fingerprint(cfg.model), "device": cfg.device,
              "dtype": cfg.dtype, "gpu": physical_gpu(cfg.device)}
@@ -76,8 +75,7 @@ def wait_seconds():
 
 
 class ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
-    """A thread per connection, at most max_connections at once (one more gets 429 and is closed), each cut off
-    conn_timeout seconds after it was accepted: a slow or stalled sender cannot keep a thread, memory stays bounded."""
+    """A thread per connection, at most max_connections (more get 429), each cut off after conn_timeout seconds."""
     daemon_threads = True  # a waiting /get must not block uploads
     request_queue_size = 1024  # connections the kernel holds until accepted (the default, 5, drops bursts)
 
@@ -147,7 +145,7 @@ class QuietHandler(WSGIRequestHandler):
 
 
 def check_exposure(cfg):
-    """Before the model loads: the token (--token, else $SIMPLE_GRPO_TOKEN), needed for an address off loopback."""
+    """The token (--token, else $SIMPLE_GRPO_TOKEN), needed for an address off loopback."""
     cfg.token = cfg.token or os.environ.get(TOKEN_ENV, "")
     try:
         loopback = cfg.host == "localhost" or ipaddress.ip_address(cfg.host).is_loopback

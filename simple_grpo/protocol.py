@@ -1,6 +1,5 @@
-"""The wire between generators, the reference server and trainers: messages, their checks, the client calls, the
-check that the server holds the trainer's model, and the server's flags (ServerConfig). A message is safetensors
-bytes (tensors, and a JSON dict in the header): parsing them runs no code, unlike torch.load / pickle.
+"""The wire between generators, the reference server and trainers: messages, client calls, the model check, the
+server's flags. A message is safetensors bytes (tensors, JSON meta in the header): parsing runs no code (no pickle).
 """
 import glob
 import hashlib
@@ -42,9 +41,7 @@ def decode(body: bytes):
 
 
 def check_rollout(tensors, meta, vocab_size, max_len, max_group_size):
-    """ValueError naming the problem unless this is a well-formed group: prompt_ids (P,) and completion_ids (G, C)
-    int64 ids in the vocabulary, P + C <= max_len, optional finite float FLOAT_TENSORS; an int policy_version and
-    a positive temperature."""
+    """ValueError naming the problem unless this is a well-formed group (prompt_ids (P,), completion_ids (G, C))."""
     if not {"prompt_ids", "completion_ids"} <= set(tensors) <= {"prompt_ids", "completion_ids", *FLOAT_TENSORS}:
         raise ValueError(f"a group has prompt_ids, completion_ids and optionally {', '.join(FLOAT_TENSORS)}; "
                          f"got {sorted(tensors)[:8]}")
@@ -64,10 +61,9 @@ def check_rollout(tensors, meta, vocab_size, max_len, max_group_size):
                               or not torch.isfinite(t).all()):
             raise ValueError(f"{name} must be finite float32/64 of shape {shape}, got {t.dtype} {tuple(t.shape)}")
     version, temperature = meta.get("policy_version", 0), meta.get("temperature", 1.0)
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise ValueError("policy_version must be an integer")
-    if not isinstance(temperature, (int, float)) or not (0 < temperature < math.inf):
-        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+    if type(version) is not int or type(temperature) not in (int, float) or not 0 < temperature < math.inf:
+        raise ValueError(f"policy_version must be an integer and temperature a positive number, got {version!r} "
+                         f"and {temperature!r}")
 
 
 # ---------------------------------------------------------------------------- the client side
@@ -77,8 +73,7 @@ def uses_ref_server(cfg):
 
 
 def ref_request(cfg, method, path, **kwargs):
-    """One HTTP call to the reference server at cfg.ref_url. No answer (refused, reset, timed out, 429, 5xx but 503)
-    is retried with backoff for cfg.peer_timeout seconds; then the run stops, naming the server."""
+    """One HTTP call to cfg.ref_url; no answer (nor 429, 5xx but 503) is retried for cfg.peer_timeout seconds."""
     token = cfg.ref_token or os.environ.get(TOKEN_ENV, "")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     first_failure, delay = None, 0.25
@@ -117,8 +112,7 @@ def post_groups(cfg, groups):
 
 
 def take_group(cfg, run_id, timeout, waiting=None, policy_version=None):
-    """The oldest finished group (tensors, meta) of this run (another run's is skipped), polled for. waiting(waited_s)
-    runs between polls; after timeout seconds (None: waiting keeps the deadline) the run stops."""
+    """This run's oldest finished group (tensors, meta), polled for (waiting(waited_s) between) until timeout s."""
     start, params = time.time(), {"wait": 2, "run_id": run_id, "policy_version": policy_version}  # None: not sent
     while True:
         r = ref_request(cfg, "GET", "/get", params=params)
@@ -160,8 +154,7 @@ def reference_logps_from_server(cfg, run_id, prompt_ids, prompt_mask, completion
 
 # ---------------------------------------------------------------------------- which model the server holds
 def model_fingerprint(model):
-    """{tensor name: checksum} of a model's safetensors files ({} without any), the same in any dtype: a hash of
-    each tensor's shape and its first, middle and last rows (all of a 1-D tensor), rounded to bfloat16."""
+    """{tensor name: hash of its shape and first, middle, last rows in bfloat16} of a model's safetensors files."""
     from huggingface_hub import snapshot_download
     directory = model if os.path.isdir(model) else snapshot_download(model, allow_patterns=["*.safetensors"])
     sums = {}
@@ -182,17 +175,16 @@ def differences(ours, theirs):
 
 
 def check_reference(cfg):
-    """Before a trainer's first step: stop if the ref server does not answer, or if it serves another model than
-    cfg.model (naming both), unless --beta 0 or --ref_model_differs_ok. Notes a dtype that differs."""
+    """Stop if the ref server serves another model than cfg.model, unless --beta 0 or --ref_model_differs_ok."""
     health = ref_request(cfg, "GET", "/health").json()
     if health.get("dtype") not in (None, cfg.dtype):
         print(f"note: the ref server computes the reference in {health['dtype']}, this run trains in {cfg.dtype}: "
               f"the KL term carries {health['dtype']}'s rounding (ref_server.py --dtype {cfg.dtype} to match)")
     theirs = health.get("fingerprint")
-    if cfg.beta == 0 or theirs is None:  # no KL term; or a server that does not say what it serves
+    if cfg.beta == 0 or theirs is None:  # no KL term, or a server that does not say what it serves
         return
     ours = model_fingerprint(cfg.model)
-    if not ours or not theirs:  # a model without safetensors files has no fingerprint
+    if not ours or not theirs:
         print(f"note: cannot check that the ref server serves {cfg.model}: no safetensors weights to compare")
         return
     if not (differ := differences(ours, theirs)):

@@ -23,9 +23,7 @@ def correct_rows(scores, weights):
 
 def make_groups(prompt_rows, completion_ids, until_stop, rewards, G, meta, sampler_logps=None, keep_equal=False,
                 scale_rewards="group", scores=None, estimator="grpo", correct=None, eps=1e-4):
-    """One group (tensors, meta) per prompt with a non-zero advantage, and has_signal (Q,). A group whose advantages
-    are all 0 has no policy-gradient signal: dropping it saves its compute (TRL keeps it; keep_equal does too).
-    estimator, eps, correct: grpo_math.group_advantages's. scores (score_groups'): carried to the completions log."""
+    """One group (tensors, meta) per prompt with a non-zero advantage (or keep_equal), and has_signal (Q,)."""
     advantages = group_advantages(rewards, G, scale_rewards=scale_rewards, eps=eps, estimator=estimator, correct=correct)
     has_signal = groups_with_signal(advantages, G)
     groups = []
@@ -41,8 +39,7 @@ def make_groups(prompt_rows, completion_ids, until_stop, rewards, G, meta, sampl
 
 
 def rollout_stats(rewards, scores, until_stop, has_signal, gen_s, truncated, accuracy_reward="correctness"):
-    """What one step's rollouts say, for the log, dropped groups included. until_stop (Q*G, C): 1 up to each
-    completion's first stop token; truncated (Q*G,): cut off at max_new_tokens; accuracy: accuracy_reward's mean."""
+    """One step's rollout figures, dropped groups included; until_stop (Q*G, C), truncated (Q*G,)."""
     each = {}
     for name in (n for n in scores[0] if n != "reward"):  # each reward function's mean and spread
         values = torch.tensor([s[name] for s in scores], dtype=torch.float)

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from grpo_math import completion_mask
 from grpo_vllm_one import Config
-from simple_grpo.task.config import load_data
+from simple_grpo.task.problems import load_data
 from simple_grpo.generation.vllm_sampler import sample, start_vllm
 from simple_grpo.generation.weight_sync import WeightSender, receive_weights
 from simple_grpo.generation.workers import start_workers, stop_workers

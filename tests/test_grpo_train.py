@@ -36,8 +36,7 @@ def test_the_sampler_draws_from_the_temperature_softmax_whatever_the_models_gene
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from simple_grpo.generation.hf_sampler import generate
-    from simple_grpo.task.config import TaskConfig, load_data
-    from simple_grpo.task.problems import make_prompt, stop_token_ids
+    from simple_grpo.task.problems import TaskConfig, load_data, make_prompt, stop_token_ids
     cfg = TaskConfig(model=TINY, num_generations=4, max_new_tokens=24)
     tokenizer, model = AutoTokenizer.from_pretrained(TINY), AutoModelForCausalLM.from_pretrained(TINY)
     prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format, cfg.system_prompt) for p in load_data(cfg)[:2]]

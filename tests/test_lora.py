@@ -21,8 +21,7 @@ from grpo_train import Config
 from simple_grpo.generation.hf_sampler import generate
 from simple_grpo.protocol import post_groups, take_group
 from simple_grpo.rollouts import collate, make_groups, score_groups
-from simple_grpo.task.config import load_data
-from simple_grpo.task.problems import make_prompt, stop_token_ids
+from simple_grpo.task.problems import load_data, make_prompt, stop_token_ids
 from simple_grpo.task.rewards import parse_reward_spec
 from simple_grpo.trainer.config import check_options
 from simple_grpo.trainer.deepspeed_engine import make_engine

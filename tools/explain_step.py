@@ -17,14 +17,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # noqa: E402 below - these imports come after the path fix that lets the script import them
-from simple_grpo.task.problems import make_prompt, stop_token_ids  # noqa: E402
 from simple_grpo.task.rewards import parse_reward_spec  # noqa: E402
 from simple_grpo.flags import flag, parse_flags  # noqa: E402
 from grpo_math import completion_mask, group_advantages, grpo_loss, kl_estimate  # noqa: E402
 from simple_grpo.logprobs import sequence_logps  # noqa: E402
 from simple_grpo.generation.hf_sampler import generate  # noqa: E402
 from simple_grpo.rollouts import score_groups  # noqa: E402
-from simple_grpo.task.config import TaskConfig, check_task, load_data  # noqa: E402
+from simple_grpo.task.problems import TaskConfig, check_task, load_data, make_prompt, stop_token_ids  # noqa: E402
 
 
 @dataclass

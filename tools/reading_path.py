@@ -49,7 +49,7 @@ TRAINERS = ("grpo_vllm_one", "grpo_train")  # make demo's default first
 # loads them before it samples the batch after next: two steps run both
 STEPS = {"grpo_vllm_one": 2, "grpo_train": 1}
 RUN_NAME = "reading_path_trace"
-CONFIG_CLASSES = (("simple_grpo.task.config", "DataConfig"), ("simple_grpo.protocol", "ServerConfig"))
+CONFIG_CLASSES = (("simple_grpo.task.problems", "DataConfig"), ("simple_grpo.protocol", "ServerConfig"))
 
 # entered, not in the reader's subset: (file, or file:function, why). A function listed here is left out with what
 # it calls from files of its own (the trace notes who called whom). The whole trace counts them all.
@@ -62,7 +62,7 @@ LEFT_OUT = [
     ("simple_grpo/http_server.py", "the server's HTTP: checks each upload, bounds connections"),
     ("grpo_train.py:check_one_process", "refuses the flags only grpo_vllm_one.py has"),
     ("simple_grpo/trainer/config.py:check_values", "refuses bad values, sets nothing"),
-    ("simple_grpo/task/config.py:check_task", "refuses bad task values, sets nothing"),
+    ("simple_grpo/task/problems.py:check_task", "refuses bad task values, sets nothing"),
     ("simple_grpo/trainer/deepspeed_engine.py:leave_process_group", "after the last step"),
     ("simple_grpo/generation/config.py:GenerationConfig.__post_init__", "refuses --gen_* values that cannot run"),
     *((f"simple_grpo/generation/workers.py:WorkerProgress.{name}", "the progress bar's text and the deadlines of the "

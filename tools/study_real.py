@@ -34,7 +34,7 @@ from simple_grpo.evaluation import (details_accuracy, equivalence_verdict, inter
 from tools.launch import ROOT, cached_evaluate, child_env, run_child, smollm2_warm_start  # noqa: E402
 from tools.smollm2_recipe import (EVAL_FLAGS, FEW_START_FLAGS, SYSTEM_PROMPT, TRAIN_FLAGS,  # noqa: E402
                                             write_answers_only)
-from simple_grpo.task.config import TaskConfig  # noqa: E402
+from simple_grpo.task.problems import TaskConfig  # noqa: E402
 
 ARMS = {"grpo": ["--advantage_estimator", "grpo", "--scale_rewards", "group"],
         "raft": ["--advantage_estimator", "raft"],

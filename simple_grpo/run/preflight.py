@@ -5,7 +5,7 @@ import multiprocessing
 import os
 import signal
 
-from simple_grpo.task.config import TaskConfig
+from simple_grpo.task.problems import TaskConfig
 
 
 def preflight(cfg):

@@ -25,8 +25,7 @@ from simple_grpo.generation.vllm_sampler import sample, start_vllm
 from simple_grpo.logprobs import sequence_logps
 from simple_grpo.rollouts import collate, make_groups, rollout_stats, score_groups
 from simple_grpo.run.completions_log import completion_rows, log_completions, pick_groups
-from simple_grpo.task.config import TaskConfig, check_task, load_data
-from simple_grpo.task.problems import make_prompt, stop_token_ids
+from simple_grpo.task.problems import TaskConfig, check_task, load_data, make_prompt, stop_token_ids
 from simple_grpo.task.rewards import parse_reward_spec, pick_accuracy_reward
 
 MOST = 0.5  # "most groups are all-alike" from this share on

@@ -1,12 +1,12 @@
-"""Problems and prompts. A problem is {"question": str, "answer": "...#### N"}, read by load_problems from a local
-.jsonl, .json, .parquet or .csv file or a Hugging Face hub dataset ("openai/gsm8k", config "main"), other field
-names mapped onto these two. A prompt is the question in the model's chat template, or plain text.
-"""
+"""The task: its flags (DataConfig, TaskConfig), the problems ({"question": str, "answer": "...#### N"}, from a
+file or a hub dataset) and the prompts."""
 import csv
 import json
 import os
+from dataclasses import dataclass
 
-from simple_grpo.task.rewards import true_answer
+from simple_grpo.flags import flag
+from simple_grpo.task.rewards import load_reward_file, parse_reward_spec, true_answer
 
 # The system prompt of the R1-Zero-style GSM8K recipe (as in lsdefine/simple_GRPO).
 SYSTEM_PROMPT = ("A conversation between User and Assistant. The user asks a question, and the "
@@ -16,10 +16,62 @@ SYSTEM_PROMPT = ("A conversation between User and Assistant. The user asks a que
                  "respectively, i.e., <think> reasoning process here </think><answer> answer "
                  "here </answer>.")
 FILE_TYPES = (".jsonl", ".json", ".parquet", ".csv")
+TINY_MODEL = "models/tiny-math"  # the tiny default model (tools/build_tiny_model.py)
+
+
+@dataclass
+class DataConfig:
+    """The model and its problems: what evaluate.py takes too."""
+    model: str = flag(TINY_MODEL, "the policy's starting point: an HF model directory or hub name")
+    dataset: str = flag("data/toy_math/train.jsonl", "problems: a .jsonl/.json/.parquet/.csv file or a hub dataset")
+    dataset_config: str = flag("", "a hub dataset's config, e.g. main for openai/gsm8k")
+    split: str = flag("train", "a hub dataset's split")
+    question_field: str = flag("question", "the field holding the question")
+    answer_field: str = flag("answer", 'the field holding the "... #### N" answer')
+    prompt_format: str = flag("chat", "chat: the model's chat template; raw: plain text (base models without one)")
+    system_prompt: str = flag(SYSTEM_PROMPT, "the system prompt (default: R1-Zero's; a short one suits a small model)")
+
+
+@dataclass
+class TaskConfig(DataConfig):
+    """... and the reward and the sampling: what the trainers and the tools that sample take."""
+    reward_funcs: str = flag("correctness,format", "reward functions (task/rewards.py), weighted and summed; the "
+                             "logged accuracy is the first of correctness, answer_is among them (else correctness)")
+    reward_weights: str = flag("1.0,0.5", "one weight per reward function")
+    reward_file: str = flag("", "a .py file whose @reward_function-decorated functions add rewards")
+    num_generations: int = flag(8, "completions per problem: the group size G")
+    max_new_tokens: int = flag(48, "the longest completion, in tokens (evaluate.py's default is 64: see its --help)")
+    min_new_tokens: int = flag(0, "no stop token before this many tokens (benchmarks at a fixed length)")
+    temperature: float = flag(0.7, "sampling temperature: tokens come from softmax(logits / T), no top-k, top-p or "
+                                   "penalty (nor the model's generation_config); the log-probs are taken at T too")
+    seed: int = flag(0, "seed of the problem draws and the sampling")
+
+
+def check_task(cfg):
+    """Reject bad task values before the slow start-up; a --reward_file is loaded first (it adds reward names)."""
+    if cfg.prompt_format not in ("chat", "raw"):
+        raise SystemExit(f"unknown --prompt_format {cfg.prompt_format!r}: use one of chat, raw")
+    if cfg.num_generations < 2:
+        raise SystemExit(f"--num_generations must be at least 2 (GRPO compares completions within a group), "
+                         f"got {cfg.num_generations}")
+    if cfg.temperature <= 0:
+        raise SystemExit("--temperature must be > 0: greedy completions of a prompt are all the same")
+    if cfg.reward_file:
+        load_reward_file(cfg.reward_file)
+    try:
+        parse_reward_spec(cfg.reward_funcs, cfg.reward_weights)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+
+
+def load_data(cfg):
+    """The problems cfg names: [{"question", "answer"}, ...]."""
+    return load_problems(cfg.dataset, split=cfg.split, config=cfg.dataset_config or None,
+                         question_field=cfg.question_field, answer_field=cfg.answer_field)
 
 
 def _read_file(path):
-    """(where, row) pairs of a local file, where as a user counts: JSONL lines (blank ones too), else data rows."""
+    """(where, row) pairs of a local file: JSONL line numbers, else row numbers."""
     ext = os.path.splitext(path)[1]
     if ext == ".csv":
         with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: spreadsheets start with a BOM
@@ -72,8 +124,7 @@ def _read_hub(name, config, split):
 
 
 def load_problems(dataset, *, split="train", config=None, question_field="question", answer_field="answer"):
-    """Problems from a local file (by extension) or, when `dataset` is no existing path, a hub dataset (`split`
-    and `config` are its), with the canonical keys; the first bad row raises, naming the file and row."""
+    """Problems from a local file or a hub dataset, with the canonical keys; a bad row raises, naming it."""
     dataset = os.fspath(dataset)
     if dataset.endswith(FILE_TYPES) or os.path.exists(dataset):
         if not os.path.isfile(dataset):
@@ -110,8 +161,7 @@ def load_jsonl(path):
 
 
 def make_prompt(tokenizer, question, prompt_format="chat", system_prompt=SYSTEM_PROMPT):
-    """The text the model continues. chat: the chat template with the assistant's turn opened; raw: plain text
-    (base models without a template), ending at "Assistant:": the completion is to write "<think>" itself."""
+    """The text the model continues: the chat template with the assistant's turn opened, or raw text."""
     if prompt_format == "chat":
         messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -121,8 +171,7 @@ def make_prompt(tokenizer, question, prompt_format="chat", system_prompt=SYSTEM_
 
 
 def chat_turn_end_id(tokenizer):
-    """The special token the chat template writes after an assistant turn (<|im_end|> for ChatML, <|eot_id|>
-    for Llama 3), or None where the tokenizer has no template or the template ends a turn with ordinary text."""
+    """The special token the chat template writes after an assistant turn (<|im_end|>, <|eot_id|>), else None."""
     if not tokenizer.chat_template:
         return None
     marker = "\u2063answer\u2063"  # text no template writes itself
@@ -133,9 +182,7 @@ def chat_turn_end_id(tokenizer):
 
 
 def stop_token_ids(tokenizer, prompt_format="chat", model=None):
-    """The ids that end a completion, for both samplers and every mask: the tokenizer's EOS, under a chat template
-    its turn end (a base model's EOS, Qwen2.5's <|endoftext|>, is not), and the eos ids of the model's generation
-    config (model: its directory; None: the tokenizer's), at which vLLM stops too."""
+    """The ids that end a completion: the tokenizer's EOS, the chat template's turn end, the generation config's."""
     from transformers import AutoConfig, GenerationConfig
     model = model or tokenizer.name_or_path
     try:

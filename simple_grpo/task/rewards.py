@@ -1,8 +1,6 @@
-"""Rewards for "think, then answer" completions, the same for both trainers and evaluate.py: each is
-`fn(completion, answer) -> float`, of the model's text after the prompt and the true answer ("1000" for GSM8K's
-"... #### 1,000"). correctness: the last <answer>...</answer> equals it by math-verify ("1,000" = 1000, "7/2" = 3.5);
-format: <think>...</think><answer>...</answer>, each tag once; answer_is: the number after the last "answer is"
-equals it. Add your own with `@reward_function("name")` in a file --reward_file loads.
+"""Rewards for "think, then answer" completions: each is `fn(completion, answer) -> float`, of the model's text
+and the true answer ("1000" for GSM8K's "... #### 1,000"). Add your own with `@reward_function("name")` in a file
+--reward_file loads.
 """
 import importlib.util
 import math
@@ -22,14 +20,11 @@ CORRECTNESS_REWARDS = ("correctness", "answer_is")  # earned only by a right ans
 
 
 def reward_function(name):
-    """Register a reward in REWARD_FUNCS: `@reward_function("name")`, or bare `@reward_function`
-    to use the function's own name. A later registration of a name replaces the earlier one."""
-    def register(fn, name):
-        REWARD_FUNCS[name] = fn
+    """`@reward_function("name")`, or bare `@reward_function` (the function's name): adds it to REWARD_FUNCS."""
+    def register(fn):
+        REWARD_FUNCS[name if isinstance(name, str) else fn.__name__] = fn
         return fn
-    if callable(name):
-        return register(name, name.__name__)
-    return lambda fn: register(fn, name)
+    return register(name) if callable(name) else register
 
 
 def true_answer(gsm8k_answer: str) -> str:
@@ -146,14 +141,12 @@ def parse_reward_spec(names: str, weights: str = "") -> dict:
 
 
 def pick_accuracy_reward(weights) -> str:
-    """The reward the trainers log as accuracy: the first of CORRECTNESS_REWARDS among `weights`
-    (--reward_funcs answer_is: answer_is), else correctness."""
+    """The reward logged as accuracy: the first of CORRECTNESS_REWARDS among `weights`, else correctness."""
     return next((name for name in weights if name in CORRECTNESS_REWARDS), "correctness")
 
 
 def score(completion: str, answer: str, weights=None, report=("correctness", "format")) -> dict:
-    """Every reward named in `weights` (name -> weight, default DEFAULT_WEIGHTS) and in `report` (in every log,
-    weighted or not); `reward`: the weighted sum. A reward that raises or returns no number is named."""
+    """Each reward in `weights` (default DEFAULT_WEIGHTS) and `report`, and `reward`: the weighted sum."""
     weights, out = weights or DEFAULT_WEIGHTS, {}
     _known([*weights, *report])
     for name in dict.fromkeys([*report, *weights]):  # in order, once each

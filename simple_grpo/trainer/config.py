@@ -11,7 +11,7 @@ from simple_grpo.flags import flag
 from simple_grpo.protocol import DEFAULT_REF_URL
 from simple_grpo.run.doctor import parse_stop_on
 from simple_grpo.run.metrics import Tracker
-from simple_grpo.task.config import TINY_MODEL, TaskConfig, check_task
+from simple_grpo.task.problems import TINY_MODEL, TaskConfig, check_task
 from simple_grpo.trainer.deepspeed_engine import deepspeed_config
 from triton_loss import check_loss_impl
 
@@ -174,7 +174,7 @@ def from_deepspeed_file(cfg, ds_config, defaults):
 
 def check_values(cfg):
     """Stop with an error naming the flag on an unknown name, a bad number or an impossible combination
-    (the task's flags: task/config.py's check_task, which loads a --reward_file). Sets nothing."""
+    (the task's flags: task/problems.py's check_task, which loads a --reward_file). Sets nothing."""
     if cfg.loss_type not in LOSS_TYPES:
         raise SystemExit(f"unknown --loss_type {cfg.loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
     if cfg.scale_rewards not in ("", "group", "batch", "none"):  # "": check_options fills it in
@@ -189,7 +189,7 @@ def check_values(cfg):
     if cfg.use_peft:
         check_lora(cfg)
     check_loss_impl(cfg.loss_impl)  # triton where Triton cannot run stops here
-    check_task(cfg)  # the model, data, reward and sampling flags (task/config.py)
+    check_task(cfg)  # the model, data, reward and sampling flags (task/problems.py)
     parse_stop_on(cfg.stop_on)
     Tracker.check(cfg.report_to)
 
