@@ -11,10 +11,9 @@ from simple_grpo.devices import check_shared_memory
 
 
 def weight_groups(module):
-    """The policy's weights in the groups the sync gathers one at a time, one per submodule: [(parameters,
-    [(name, tensor, lora_layer)])]. name: a plain HF model's; tensor: the module's own (ZeRO-3: a shard until
-    gathered); lora_layer: the PEFT layer whose adapters merge into it, else None. Adapters are parameters, not
-    weights."""
+    """The policy's weights in the groups the sync gathers one at a time, one per submodule: [(parameters, [(name,
+    tensor, lora_layer)])]. name: a plain HF model's; tensor: the module's own (ZeRO-3: a shard until gathered);
+    lora_layer: the PEFT layer whose adapters merge into it, else None (adapters are parameters, not weights)."""
     groups = {}  # the group's module name: (parameters, weights)
     for key, tensor in module.state_dict(keep_vars=True).items():
         owner = key.rpartition(".")[0]  # the submodule that holds it
@@ -88,8 +87,7 @@ class WeightSender:
         self.buffers, self.held, self.layout, self.syncs = None, [-1, -1], None, 0
 
     def send(self, module, version, zero_stage=0, check_alive=lambda: None, timeout=600.0):
-        """Every rank calls it: under ZeRO-3 each takes part in gathering one module at a time (a rank with no
-        workers only that)."""
+        """Every rank calls it: under ZeRO-3 all gather one module at a time (a rank with no workers only that)."""
         gather = contextlib.nullcontext
         if zero_stage == 3:  # ZeRO-3 keeps each parameter in shards: gather one module's whole while it is copied
             import deepspeed
