@@ -11,10 +11,9 @@ posts the groups to the ref server, which adds the reference log-probs (where no
 the trainer straight). The trainer (main) does `3.` take the batch, `4.` the update (the loss: grpo_math.py) and
 `5.` send the new weights to the worker, in memory. The lines so marked are the algorithm; the rest is plumbing.
 
-While the trainer computes step s, the worker samples the batch of step s+1, with weights at most --max_policy_lag
-versions behind those that train on it (generation/weight_sync.py's WorkerSchedule). The update weights each token
-by min(pi_old / pi_vLLM, --tis_cap), capped importance sampling for that lag and the two engines' numerics: biased
-where the cap binds, and the KL term is not reweighted.
+While the trainer computes step s, the worker samples step s+1's batch with weights at most --max_policy_lag versions
+behind (WorkerSchedule). Each token's loss is weighted by min(pi_old / pi_vLLM, --tis_cap) for that lag and the two
+engines' numerics (biased where the cap binds; the KL term is not reweighted).
 """
 import dataclasses
 import os
@@ -31,7 +30,6 @@ from tqdm import tqdm
 from grpo_math import completion_mask, is_truncated
 from simple_grpo.devices import max_over_ranks
 from simple_grpo.flags import flag, parse_flags
-from simple_grpo.generation.config import GenerationConfig
 from simple_grpo.generation.vllm_sampler import sample, start_vllm, stop_vllm
 from simple_grpo.generation.weight_sync import WeightSender, WorkerSchedule
 from simple_grpo.generation.workers import (WorkerProgress, batch_worker, check_workers, local_world_size,
@@ -53,16 +51,44 @@ from simple_grpo.trainer.update import grpo_update, reference_logps
 
 
 @dataclass
-class Config(GenerationConfig, TrainerConfig):
-    """grpo_vllm_one.py's flags: the trainers', the generation worker's, and these."""
-    SECTIONS = {**TrainerConfig.SECTIONS, **GenerationConfig.SECTIONS, "run_name": "this script"}
+class Config(TrainerConfig):
+    """grpo_vllm_one.py's flags: the trainers', the generation worker's, and this script's."""
+    SECTIONS = {**TrainerConfig.SECTIONS, "gen_device": "the generation worker (vLLM)", "run_name": "this script"}
+    gen_device: int = flag(-1, "vLLM's first GPU as nvidia-smi numbers it; -1: the first no trainer rank uses")
+    gen_tp: int = flag(1, "vLLM tensor-parallel size: only 1 (more GPUs for sampling: --gen_workers K)")
+    gen_every: int = flag(0, "one generation worker per this many trainer ranks (0: one per node)")
+    gen_workers: int = flag(1, "generation workers (vLLM engines) per trainer, each on its own GPU or CPU cores")
+    gen_threads: int = flag(1, "CPU machines: cores for each worker's vLLM (worker 0: the last ones, 1: those before)")
+    gen_compile: bool = flag(False, "CPU machines: torch.compile vLLM's model (a slower start, faster sampling; "
+                                    "on a GPU vLLM always compiles)")
+    gen_memory: float = flag(0.0, "vLLM's gpu_memory_utilization; 0: 0.9 on a GPU of its own, 0.3 beside the trainer")
+    max_model_len: int = flag(512, "vLLM's context length: prompt + completion")
+    tis_cap: float = flag(2.0, "capped importance sampling (TIS): each token weighted by min(pi_old / pi_vLLM, cap); "
+                                "0: no weights, vLLM's log-probs are pi_old (the ratio's denominator) instead")
+    sync_every: int = flag(1, "optimizer steps between weight syncs to the worker")
+    max_policy_lag: int = flag(1, "the worker waits rather than sample with weights older than this")
+    regroup: bool = flag(False, "regroup_ver/: upload all groups; the regrouping server serves mixed-reward ones")
+    max_completions: int = flag(0, "stop once the worker has generated this many completions (0: run all steps)")
+    startup_timeout: float = flag(1200.0, "seconds the generation worker may take to start vLLM (load, compile)")
+    startup_order: str = flag("auto", "auto: the trainer loads its model once vLLM is up where they share a GPU; "
+                                      "vllm_first: always so; together: never wait")
+    data_timeout: float = flag(600.0, "seconds to wait for a batch once vLLM is up (the worker: for new weights)")
     run_name: str = flag("vllm_one", "outputs go to runs/RUN_NAME/")
-    threads: int = flag(1, "the trainer's CPU threads (on a CPU machine each worker is pinned to --gen_threads "
-                           "cores; the trainer is not pinned)")
+    threads: int = flag(1, "the trainer's CPU threads (not pinned; each worker: --gen_threads cores)")
     time_phases: bool = flag(False, "time each update by phase (forward, log_softmax, recompute, backward, loss, "
                                     "optimizer) into metrics.jsonl; on a GPU it waits for the GPU at each phase's end")
     profile_step: int = flag(0, "CUDA: profile this step's update (torch.profiler, slower), its GPU's idle seconds "
                                 "to metrics.jsonl as gpu_wait_s, and its phases (bench/gpu_scale.py); 0: none")
+
+    def __post_init__(self):  # refuses generation flags that cannot run
+        if self.gen_tp != 1:  # tensor-parallel vLLM would pickle load_weights' iterator to its processes: it cannot
+            raise SystemExit(f"--gen_tp {self.gen_tp}: grpo_vllm_one.py syncs weights only into a vLLM of one GPU "
+                             "(--gen_tp 1). For more sampling, run --gen_workers K one-GPU vLLM workers")
+        if self.startup_order not in ("auto", "vllm_first", "together"):
+            raise SystemExit(f"unknown --startup_order {self.startup_order!r}: use auto, vllm_first or together")
+        if self.max_policy_lag < self.sync_every - 1:
+            raise SystemExit(f"--max_policy_lag {self.max_policy_lag} < --sync_every - 1 = {self.sync_every - 1}: the "
+                             "worker would wait for weights the trainer cannot make without its batches")
 
 
 # ---------------------------------------------------------------------------- generation worker

@@ -6,14 +6,12 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 
 import psutil
 
-from simple_grpo.generation.config import GenerationConfig
+from grpo_vllm_one import Config
 from tools.launch import ROOT, TINY_WORLD_FLAGS, evaluate, free_port, start_ref_server, stop
 from simple_grpo.run.metrics import read_metrics
-from simple_grpo.trainer.config import TrainerConfig
 from simple_grpo.trainer.deepspeed_engine import clear_stale_build_locks
 
 # The shared settings: every system gets exactly these.
@@ -23,10 +21,7 @@ LR, BETA, TEMPERATURE = 1e-4, 0.04, 0.7
 REWARD_WEIGHTS = {"correctness": 1.0, "format": 0.5}
 
 
-@dataclass
-class SamplerConfig(GenerationConfig, TrainerConfig):
-    """The flags grpo_vllm_one.py's worker reads (its Config less run_name and threads): what the benches
-    that start vLLM themselves pass to start_vllm and sample."""
+SamplerConfig = Config  # the flags grpo_vllm_one.py's worker reads: what the benches that start vLLM pass to sample
 
 
 def tree_sum(proc, memory):

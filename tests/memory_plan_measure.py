@@ -3,7 +3,7 @@ for tests/test_memory_plan.py: a random model with a few small layers (and Qwen2
 a small one), a real DeepSpeed engine (make_engine), one warm-up step, then the peak bytes above each phase's start
 of the LoRA reference pass (reference_logps), the update (grpo_update: log-probs, loss, backward) and the weight
 sync (WeightSender.send, its second call: the first allocates the shared buffers, the host's), from torch's profiler
-(every CPU allocation); and the most bytes of merged weights (lora.merged_weights) alive when send() copies one.
+(every CPU allocation); and the most bytes of merged weights (weight_sync.merged_weights) alive when send() copies one.
 
 Left out of the update's peak: what the optimizer's step allocates (the plan's gradient and optimizer rows count
 it), ZeRO-2's gradient bucket (reported apart: a row of the plan's margin), and two things only a CPU makes:
@@ -40,7 +40,7 @@ from grpo_math import completion_mask  # noqa: E402
 from grpo_vllm_one import Config  # noqa: E402
 from simple_grpo.flags import parse_flags  # noqa: E402
 from simple_grpo.generation import weight_sync  # noqa: E402
-from simple_grpo.lora import merged_weights  # noqa: E402
+from simple_grpo.generation.weight_sync import merged_weights  # noqa: E402
 from simple_grpo.trainer.config import check_options  # noqa: E402
 from simple_grpo.trainer.deepspeed_engine import make_engine  # noqa: E402
 from simple_grpo.trainer import update  # noqa: E402

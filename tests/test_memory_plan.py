@@ -139,7 +139,7 @@ def test_the_plan_bounds_the_3b_run_on_an_h100():
 # the plan for torch's total_memory of the H100, which its printed plan (46.6 GB) puts between 84.9 and 85.3 GB:
 # the lower end is taken (a smaller GPU, a smaller vLLM share, a smaller plan).
 # Both 7B runs (commits 86ea657 and fcba545) ran the weight sync as it was before it went one weight at a time:
-# lora.merged_weights merged every adapted weight before WeightSender.send copied any.
+# weight_sync.merged_weights merged every adapted weight before WeightSender.send copied any.
 H100_7B_LORA = dict(model=QWEN["7b"], use_peft=True, lora_target_modules="all-linear", offload_optimizer=False,
                     gen_memory=0.25, plan_gpu_gb=84.9, plan_gpus=1)
 H100_7B_LORA_GPU_GB, H100_7B_LORA_HOST_GB = 52.5, 35.2

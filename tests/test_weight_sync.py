@@ -1,4 +1,4 @@
-"""The weight sync (simple_grpo/generation/weight_sync.py, lora.merged_weights): what lands in the shared buffer is
+"""The weight sync (simple_grpo/generation/weight_sync.py, merged_weights): what lands in the shared buffer is
 the policy's weights exactly, LoRA's merged as PEFT merges them, with tied weights in one place; the layout is known
 before anything is merged; send() makes one merged weight at a time; under ZeRO-3 on 2 ranks, gathering one module
 at a time gives what gathering the whole model gives (slow: tests/weight_sync_zero3.py)."""
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from simple_grpo.generation import weight_sync
-from simple_grpo.generation.weight_sync import WeightSender, tensors_in, weight_layout
-from simple_grpo.lora import merged_shapes, merged_weights
+from simple_grpo.generation.weight_sync import WeightSender, merged_shapes, merged_weights, tensors_in, weight_layout
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "models", "tiny-math")  # its lm_head is tied to its embeddings

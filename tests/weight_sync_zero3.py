@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from grpo_vllm_one import Config  # noqa: E402
 from simple_grpo.generation.weight_sync import WeightSender, tensors_in  # noqa: E402
-from simple_grpo.lora import merged_weights  # noqa: E402
+from simple_grpo.generation.weight_sync import merged_weights  # noqa: E402
 from simple_grpo.trainer.config import check_options  # noqa: E402
 from simple_grpo.trainer.deepspeed_engine import make_engine  # noqa: E402
 

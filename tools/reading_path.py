@@ -64,10 +64,9 @@ LEFT_OUT = [
     ("simple_grpo/trainer/config.py:check_values", "refuses bad values, sets nothing"),
     ("simple_grpo/task/problems.py:check_task", "refuses bad task values, sets nothing"),
     ("simple_grpo/trainer/deepspeed_engine.py:leave_process_group", "after the last step"),
-    ("simple_grpo/generation/config.py:GenerationConfig.__post_init__", "refuses --gen_* values that cannot run"),
+    ("grpo_vllm_one.py:Config.__post_init__", "refuses --gen_* values that cannot run"),
     *((f"simple_grpo/generation/workers.py:WorkerProgress.{name}", "the progress bar's text and the deadlines of the "
        "trainer's waits; changes no number") for name in ("__init__", "update", "describe", "check_deadline")),
-    ("simple_grpo/generation/workers.py:watch_parent", "the worker's watchdog: it exits if the trainer is gone"),
     ("simple_grpo/generation/workers.py:check_workers", "stops the run, naming a worker that died"),
     ("simple_grpo/generation/workers.py:wait_for_vllm", "on a GPU vLLM shares, the trainer loads after it; "
                                                         "here it returns at once"),

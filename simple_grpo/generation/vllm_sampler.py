@@ -8,7 +8,7 @@ from simple_grpo.devices import vllm_memory_share
 from simple_grpo.task.problems import stop_token_ids
 
 
-CPU_BLOCK_SIZE = 32  # tokens per KV-cache block on a CPU (vLLM's CPU default: 128)
+CPU_BLOCK_SIZE = 32  # tokens per KV-cache block on a CPU (vLLM's default: 128): G completions share whole blocks
 # sampler_logps past a completion's end: not 0, a log-prob vLLM gives a sure token; finite, so times a mask it is 0
 NO_LOGP = 1.0
 
@@ -22,8 +22,7 @@ def quiet_vllm():
 def start_vllm(cfg, compile=False, block_size=None, max_seqs=None):
     """An in-process vLLM engine (weights can be handed to it directly) that reports the log-probs of sampled
     tokens after temperature, as the trainer computes them; on a CPU eager unless compile. block_size: None is
-    CPU_BLOCK_SIZE on a CPU (a prompt's G completions share its KV cache a whole block at a time), vLLM's default
-    on a GPU. max_seqs: vLLM's max_num_seqs, by which it sizes its start-up memory profile (None: its default)."""
+    CPU_BLOCK_SIZE on a CPU, vLLM's default on a GPU. max_seqs: vLLM's max_num_seqs (None: its default)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     quiet_vllm()

@@ -1,5 +1,5 @@
-"""The trainer's weights to the generation workers through shared memory (WeightSender, receive_weights), and which
-weights sample which batch (WorkerSchedule)."""
+"""The trainer's weights to the generation workers through shared memory, one weight at a time and with LoRA each
+merged as it is copied (WeightSender, receive_weights), and which weights sample which batch (WorkerSchedule)."""
 import contextlib
 import math
 import queue
@@ -8,12 +8,59 @@ import time
 import torch
 
 from simple_grpo.devices import check_shared_memory
-from simple_grpo.lora import merged_shapes, merged_weights, weight_groups
+
+
+def weight_groups(module):
+    """The policy's weights in the groups the sync gathers one at a time, one per submodule: [(parameters, [(name,
+    tensor, lora_layer)])]. name: a plain HF model's; tensor: the module's own (ZeRO-3: a shard until gathered);
+    lora_layer: the PEFT layer whose adapters merge into it, else None (adapters are parameters, not weights)."""
+    groups = {}  # the group's module name: (parameters, weights)
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        owner = key.rpartition(".")[0]  # the submodule that holds it
+        for part in (".base_layer.", ".lora_"):  # PEFT: q_proj.base_layer.weight, q_proj.lora_A.default.weight
+            if part in key:
+                owner = key.split(part)[0]  # the LoRA layer, q_proj
+                break
+        parameters, weights = groups.setdefault(owner, ([], []))
+        if isinstance(tensor, torch.nn.Parameter):
+            parameters.append(tensor)
+        if ".lora_" in key:
+            continue  # an adapter: merged into its layer's weight, not sent
+        lora_layer = module.get_submodule(owner) if key.endswith(".base_layer.weight") else None
+        weights.append((key.removeprefix("base_model.model.").replace(".base_layer.", "."), tensor, lora_layer))
+    return list(groups.values())
+
+
+def merged_weights(module, gather=contextlib.nullcontext):
+    """The policy's weights, one (name, tensor) at a time; with LoRA each adapted one merged only when asked for (a
+    caller that copies each and lets it go holds one at a time). gather(parameters) holds a group whole meanwhile."""
+    for parameters, weights in weight_groups(module):
+        with gather(parameters):
+            for name, tensor, lora_layer in weights:
+                yield name, (tensor.detach() if lora_layer is None else merged(lora_layer, tensor.detach()))
+
+
+def merged(lora_layer, weight):
+    """W + (lora_alpha / lora_r) * B @ A for each of the layer's active adapters, a new tensor."""
+    for adapter in lora_layer.active_adapters:
+        weight = weight + lora_layer.get_delta_weight(adapter).to(weight.dtype)
+    return weight
+
+
+def merged_shapes(module):
+    """What merged_weights(module) yields, known before anything is gathered: {name: (dtype, shape, first)}, first
+    the name the same tensor came under first (tied: lm_head.weight is model.embed_tokens.weight)."""
+    shapes, first = {}, {}  # first: id of a tensor -> the name it came under first
+    for _, weights in weight_groups(module):
+        for name, tensor, lora_layer in weights:
+            came_first = name if lora_layer is not None else first.setdefault(id(tensor), name)
+            shapes[name] = (tensor.dtype, tuple(getattr(tensor, "ds_shape", tensor.shape)), came_first)  # ZeRO-3
+    return shapes
 
 
 def weight_layout(shapes):
     """Where each weight sits in one flat byte buffer: {name: (offset, dtype, shape)}, and the buffer's size.
-    shapes: lora.merged_shapes; a tied weight (lm_head = embeddings) shares the place of the name it came first as."""
+    shapes: merged_shapes; a tied weight (lm_head = embeddings) shares the place of the name it came first as."""
     layout, size = {}, 0
     for name, (dtype, shape, first) in shapes.items():
         if first != name:
@@ -31,18 +78,16 @@ def tensors_in(buffer, layout):
 
 
 class WeightSender:
-    """The trainer's end, one per rank: the weights are copied one at a time (LoRA: each merged just before its
-    copy) into one of two flat buffers in shared memory that its workers map, and only (version, buffer index) goes
-    on each worker's queue. A buffer is refilled only once every worker has loaded the version it holds or passed
-    it over (`loaded`: a shared integer per worker)."""
+    """The trainer's end, one per rank: the weights are copied one at a time into one of two flat buffers in shared
+    memory that its workers map, and (version, buffer index) goes on each worker's queue. A buffer is refilled once
+    every worker has loaded the version it holds or passed it over (`loaded`: a shared integer per worker)."""
 
     def __init__(self, queues, loaded):
         self.queues, self.loaded = queues, loaded  # one of each per worker
         self.buffers, self.held, self.layout, self.syncs = None, [-1, -1], None, 0
 
     def send(self, module, version, zero_stage=0, check_alive=lambda: None, timeout=600.0):
-        """Every rank calls it: under ZeRO-3 each takes part in gathering one module at a time (a rank with no
-        workers only that)."""
+        """Every rank calls it: under ZeRO-3 all gather one module at a time (a rank with no workers only that)."""
         gather = contextlib.nullcontext
         if zero_stage == 3:  # ZeRO-3 keeps each parameter in shards: gather one module's whole while it is copied
             import deepspeed
@@ -77,8 +122,8 @@ class WeightSender:
 
 
 def receive_weights(llm, message, shared, loaded):
-    """The worker's end: the buffers (once), kept in `shared`, or (version, buffer index) to load into vLLM.
-    Returns the version loaded, or None."""
+    """The worker's end: the buffers (once), kept in `shared`, or (version, buffer index) to load into vLLM;
+    returns the version loaded, or None."""
     if message[0] == "buffers":
         shared["buffers"], shared["layout"] = message[1], message[2]
         return None
@@ -105,8 +150,8 @@ def sampling_version(batch_index, cfg):
 class WorkerSchedule:
     """A generation worker's weights and batch numbers (docs/guide.md: "Which weights sample which batch"). Version
     v is the weights after step v. Batch b (first_batch_index, + gen_workers, ...; rank b % n's number b // n) is
-    sampled by sampling_version(b // n), whichever process is faster: the worker waits for it, holds newer weights
-    back, and passes older ones (another worker's) over. --regroup: no wait, nothing held back."""
+    sampled by sampling_version(b // n): the worker waits for it, holds newer weights back, and passes older ones
+    (another worker's) over. --regroup: no wait, nothing held back."""
 
     def __init__(self, cfg, llm, channels, n_ranks, first_batch_index, draw):
         self.cfg, self.llm, self.channels, self.n, self.draw = cfg, llm, channels, n_ranks, draw
@@ -121,9 +166,8 @@ class WorkerSchedule:
         return problems
 
     def take_weights_or_wait(self):
-        """One round of the exchange with the trainer: take the next message (waiting up to 1 s where the next
-        batch's weights are due) and act on it. True when the next batch may be sampled now; False when it loaded
-        weights or resumed (ask again) or must wait. Ends the run if due weights have not come in --data_timeout."""
+        """Take the next message from the trainer (waiting up to 1 s where weights are due) and act on it. True when
+        the next batch may be sampled now; ends the run if due weights have not come in --data_timeout."""
         cfg, channels = self.cfg, self.channels
         lag = None if self.version is None else self.batch_index // self.n - self.version  # were it sampled now
         must_wait = lag is None or (not cfg.regroup and lag > cfg.max_policy_lag)

@@ -1,6 +1,5 @@
-"""grpo_vllm_one.py's generation workers as the trainer sees them: spawned processes (fresh interpreters, so CUDA and
-vLLM start cleanly) that talk to it only through their Channels; which makes which rank's batch; what they report
-while the trainer waits (WorkerProgress); their stop."""
+"""grpo_vllm_one.py's generation workers as the trainer sees them: spawned processes that talk to it only through
+their Channels; which makes which rank's batch; what they report while the trainer waits; their stop."""
 import dataclasses
 import os
 import queue
@@ -32,7 +31,7 @@ class Channels:
 
 def local_world_size(default):
     """Trainer ranks on this node: LOCAL_SIZE (deepspeed), or LOCAL_WORLD_SIZE under torchrun only (vLLM on CPU
-    sets it in its own process, and a process started from there inherits it)."""
+    sets it in its own process too)."""
     if "LOCAL_SIZE" in os.environ:
         return int(os.environ["LOCAL_SIZE"])
     if "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
@@ -55,8 +54,8 @@ def batch_worker(step, rank, served, cfg):
 
 
 def start_workers(target, cfg, *args):
-    """Spawn cfg.gen_workers processes, worker k running target(cfg, *args, k, channels_k) on its place
-    (place_worker). Returns [(process, channels)]."""
+    """Spawn cfg.gen_workers processes (fresh interpreters: CUDA and vLLM start cleanly), worker k running
+    target(cfg, *args, k, channels_k) where place_worker puts it. Returns [(process, channels)]."""
     ctx = mp.get_context("spawn")
     status, stop = ctx.Queue(), ctx.Event()
     workers = []
@@ -106,21 +105,17 @@ def place_worker(cfg, k):
 
 def run_on_cores(cores, parent_pid, target, *args):
     """The worker process's entry: pinned to its cores (every thread it starts too), it exits through Python on
-    SIGTERM (so its multiprocessing objects are released) and within a second of the trainer's end; runs target."""
+    SIGTERM (its multiprocessing objects released), and within a second of the trainer's end (watch_parent)."""
     if cores is not None:
         os.sched_setaffinity(0, cores)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    watch_parent(parent_pid)
-    target(*args)
 
-
-def watch_parent(parent_pid):
-    """Exit as soon as the trainer that started this process is gone (killed without clean-up)."""
-    def watch():
+    def watch_parent():  # the watchdog: exit once the trainer is gone, killed without clean-up
         while os.getppid() == parent_pid:
             time.sleep(1)
         os._exit(1)
-    threading.Thread(target=watch, daemon=True).start()
+    threading.Thread(target=watch_parent, daemon=True).start()
+    target(*args)
 
 
 def check_workers(workers):
@@ -132,9 +127,8 @@ def check_workers(workers):
 
 
 def stop_workers(workers, grace=10):
-    """Ask the workers to finish; one that has not within `grace` s (busy starting vLLM, say) gets SIGTERM,
-    and SIGKILL `grace` s later. A second Ctrl-C or SIGTERM cuts the waits short and kills at once (else the
-    interpreter's exit would wait for them, unbounded)."""
+    """Ask the workers to finish; one that has not within `grace` s gets SIGTERM, and SIGKILL `grace` s later.
+    A second Ctrl-C or SIGTERM cuts the waits short and kills at once."""
     if workers:
         workers[0][1].stop.set()  # one event for all
     try:
@@ -155,25 +149,21 @@ def join_all(workers, seconds):
 
 
 def wait_for_vllm(workers, cfg, say=print):
-    """Before the trainer loads its model: where a worker's vLLM shares a GPU with this trainer (or always, with
-    --startup_order vllm_first), wait until every worker has vLLM up. vLLM sizes its KV cache from the GPU's free
-    memory as it profiles, and fails if that rose meanwhile, as it would beside DeepSpeed's start-up. Says so
-    every 10 s, stops the run after --startup_timeout, and puts the ready messages back on the status queue."""
+    """Where a worker's vLLM shares a GPU with this trainer (or with --startup_order vllm_first), wait until every
+    worker has vLLM up before the trainer loads its model: vLLM sizes its KV cache from the GPU's free memory as it
+    profiles, and fails if that rose meanwhile. Stops the run after --startup_timeout; puts the ready messages back."""
     order = cfg.startup_order
     if not workers or order == "together" or (order == "auto" and not any(c.shares_gpu for _, c in workers)):
         return
-    status, started, taken, said = workers[0][1].status, time.time(), [], -10.0
+    status, started, taken = workers[0][1].status, time.time(), []
     why = ("vLLM shares this trainer's GPU and measures its free memory" if order == "auto"
            else "--startup_order vllm_first")
+    say(f"waiting for the generation worker's vLLM to start before the trainer loads its model ({why}; "
+        f"gives up after {cfg.startup_timeout:.0f} s)")
     while sum(kind == "ready" for kind, _ in taken) < len(workers):
-        waited = time.time() - started
-        if waited > cfg.startup_timeout:
+        if time.time() - started > cfg.startup_timeout:
             raise SystemExit(f"vLLM did not start in {cfg.startup_timeout:.0f} s (--startup_timeout), and the trainer "
                              f"loads its model only once it has ({why}): see the generation worker's log above")
-        if waited - said >= 10:
-            say(f"waiting for the generation worker's vLLM to start before the trainer loads its model ({why}; "
-                f"{waited:.0f} s, gives up after {cfg.startup_timeout:.0f} s)")
-            said = waited
         check_workers(workers)
         try:
             taken.append(status.get(timeout=1.0))
@@ -207,9 +197,8 @@ def take_local_group(groups_queue, waiting):
 
 
 class WorkerProgress:
-    """The workers' status messages, as the trainer reads them while it waits: the progress bar's text, each
-    batch to the run doctor, and a deadline naming what never came (vLLM not up after --startup_timeout, or no
-    trainable batch --data_timeout s after the wait began or vLLM came up)."""
+    """The workers' status messages as the trainer reads them: each batch to the run doctor, the progress bar's text
+    while it waits, and a deadline naming what never came."""
 
     def __init__(self, status_queue, cfg, doctor):
         self.queue, self.cfg, self.doctor = status_queue, cfg, doctor

@@ -69,7 +69,7 @@ def lora_parameters(cfg, m):
 
 
 def lora_merge_bytes(cfg, m, d):
-    """What the weight sync holds on the GPU with LoRA: lora.merged_weights makes one merged weight at a time, and
+    """What the weight sync holds on the GPU with LoRA: weight_sync.merged_weights makes one merged weight at a time, and
     WeightSender.send copies it to the host and lets it go before the next is made. For the largest adapted weight:
     PEFT's get_delta_weight makes B @ A and its scaled copy (d bytes each), then W + that delta is a new d-byte
     tensor beside it; two at once either way."""
