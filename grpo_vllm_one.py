@@ -148,7 +148,7 @@ def gen_worker(cfg, run_id, ranks, worker, channels):
         else:
             for group in groups:
                 channels.groups.put(group)  # the tensors travel in shared memory
-        schedule.sampled(kept=bool(groups))  # a batch with no group kept is sampled again
+        schedule.sampled(kept=bool(groups))  # no group kept: new problems for the same batch
     stop_vllm(llm)  # the engine and its process groups, before this process exits
 
 

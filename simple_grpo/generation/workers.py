@@ -22,7 +22,7 @@ from simple_grpo.protocol import TOKEN_ENV
 @dataclass
 class Channels:
     weights: Any  # trainer -> this worker: ("buffers", ...) once, then ("weights", version, i); ("resume", ...)
-    groups: Any  # this worker -> trainer, --beta 0 only: finished groups (no ref server between them)
+    groups: Any  # this worker -> trainer where no ref server is used (--beta 0, or LoRA without --ref_url)
     status: Any  # every worker -> trainer, one queue: ("ready", seconds), then ("batch", summary) per batch
     loaded: Any  # shared int: the newest weight version this worker has loaded or passed over (weight_sync)
     stop: Any  # one event for all workers: the trainer asks them to finish
@@ -187,7 +187,7 @@ def resume_workers(workers, state, first_step, served, cfg):
 
 
 def take_local_group(groups_queue, waiting):
-    """take_group's local twin (--beta 0): the worker's next group; waiting(waited_s) runs while none is there."""
+    """take_group's local twin (no ref server): the worker's next group; waiting(waited_s) runs while none is there."""
     start = time.time()
     while True:
         try:

@@ -43,7 +43,7 @@ class TrainerConfig(TaskConfig):
     adam_epsilon: float = flag(1e-8, "AdamW's eps, added to the root of the squared-gradient mean (torch's default)")
     weight_decay: float = flag(0.0, "AdamW's decoupled weight decay")
     max_grad_norm: float = flag(1.0, "the gradients' global 2-norm is clipped to this before each step")
-    steps: int = flag(200, "optimizer steps (one batch of rollouts each)")
+    steps: int = flag(200, "training steps: one batch of rollouts each, --num_iterations optimizer steps on it")
     num_iterations: int = flag(1, "optimizer steps per batch of rollouts (TRL's num_iterations, PPO's epochs)")
     micro_batch_groups: int = flag(0, "groups per forward/backward (0: the whole batch); less memory, same step")
     use_peft: bool = flag(False, "train LoRA adapters (PEFT) on a frozen base model; with beta > 0 the base, "
