@@ -27,8 +27,9 @@ demo: install
 demo-real: smollm2
 	$(PY) tools/demo_real.py --seed $(SEED) $(if $(SETTING),--setting $(SETTING)) $(if $(START_SEED),--start_seed $(START_SEED))
 
+# two pytest processes (pytest-xdist), each running whole test files: a file's module fixtures start once
 test: install
-	$(PY) -m pytest -q -m "not slow and not gpu" --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not gpu" --durations=15
 
 test-all: install
 	$(PY) -m pytest -q

@@ -10,10 +10,12 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # the suite's own runs are runs/test_*: a new session starts them afresh (the trainers refuse to
-# write into a used run directory without --resume or --overwrite)
-for name in os.listdir(os.path.join(ROOT, "runs")) if os.path.isdir(os.path.join(ROOT, "runs")) else []:
-    if name.startswith("test_"):
-        shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
+# write into a used run directory without --resume or --overwrite). Under pytest-xdist (make test's -n 2) the
+# controller does it before its workers start, and the workers leave each other's runs alone.
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    for name in os.listdir(os.path.join(ROOT, "runs")) if os.path.isdir(os.path.join(ROOT, "runs")) else []:
+        if name.startswith("test_"):
+            shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
