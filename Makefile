@@ -13,6 +13,18 @@ PY := .venv/bin/python
 install:
 	@bash tools/install.sh
 
+# make demo runs tools/demo.py, which runs from the repository root, with .venv/bin/python (PORT: a free port,
+# N: SEED; environment: tools/launch.py's child_env):
+#   python evaluate.py --model models/tiny-math --dataset data/toy_math/test.jsonl --json          # before
+#   python ref_server.py --model models/tiny-math --port PORT --threads 2 &      # waits until its /health answers
+#   python grpo_vllm_one.py --ref_url http://127.0.0.1:PORT --lr 1e-4 --run_name demo_vllm_seedN --overwrite \
+#       --seed N --steps 650        # every other flag at its default; it starts its vLLM worker itself
+#   (the ref server is stopped once the trainer ends)
+#   python evaluate.py --model runs/demo_vllm_seedN/step_650 --dataset data/toy_math/test.jsonl --json   # after
+#   python tools/view_run.py runs/demo_vllm_seedN                                  # runs/demo_vllm_seedN/report.html
+# TRAINER=grpo_train: grpo_train.py, into runs/demo_seedN. LORA=1: no ref server, and
+# --use_peft --lora_target_modules all-linear --lr 3e-4 in place of --ref_url and --lr (runs/demo_lora_vllm_seedN).
+# One step of it, read: docs/guide.md, "Reading one step of make demo".
 SEED ?= 0
 TRAINER ?= grpo_vllm_one
 LORA ?=

@@ -31,8 +31,8 @@ functions, constants and flags a step runs through):
 Every number a default step uses is a flag, `python grpo_train.py --help` lists each with its default
 (simple_grpo/trainer/config.py's TrainerConfig, and the task/problems.py TaskConfig it extends: G, T,
 --max_new_tokens), the 1e-4 added to a group's reward std too (--advantage_eps; TRL's value).
-At start it prints every number of a step as one block, and why for each default it derived from other flags
-(trainer/config.py's check_options);
+At start it prints every number of a step as one block, with why for each derived default (trainer/config.py's
+check_options). `make demo` runs grpo_vllm_one.py; its step, read: docs/guide.md, "Reading one step of `make demo`".
 runs/NAME/config.json holds every flag as resolved. It writes one JSON line per step to runs/NAME/metrics.jsonl
 (a step with no group kept logs its update's figures as null), checkpoints to runs/NAME/step_N/ (HF format, plus
 the state --resume continues from), and the curves to runs/NAME/curves.png.

@@ -12,8 +12,8 @@ the trainer straight). The trainer (main) does `3.` take the batch, `4.` the upd
 `5.` send the new weights to the worker, in memory. The lines so marked are the algorithm; the rest is plumbing.
 
 While the trainer computes step s, the worker samples step s+1's batch with weights at most --max_policy_lag versions
-behind (WorkerSchedule). Each token's loss is weighted by min(pi_old / pi_vLLM, --tis_cap) for that lag and the two
-engines' numerics (biased where the cap binds; the KL term is not reweighted).
+behind (WorkerSchedule); each token's policy-gradient term is weighted by min(pi_old / pi_vLLM, --tis_cap) (biased
+where the cap binds; the KL term is not). One step, file by file: docs/guide.md, "Reading one step of `make demo`".
 """
 import dataclasses
 import os
@@ -117,13 +117,13 @@ def gen_worker(cfg, run_id, ranks, worker, channels):
         t0 = time.time()
         batch_problems = schedule.draw_problems() + ask_again
         prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format, cfg.system_prompt) for p in batch_problems]
-        prompt_rows, completion_ids, sampler_logps = sample(llm, prompts, cfg, stop_ids)
+        prompt_rows, completion_ids, sampler_logps = sample(llm, prompts, cfg, stop_ids)  # Q x (P_q,); (Q*G, C) each
         until_stop = completion_mask(completion_ids, stop_ids)  # (Q*G, C): 1 up to and including the first stop token
         texts = tokenizer.batch_decode(completion_ids.masked_fill(until_stop == 0, tokenizer.pad_token_id),
                                        skip_special_tokens=True)  # each completion's text, up to its stop token
         gen_s = time.time() - t0
         # GRPO 2. score them; group-relative advantages; groups whose rewards are all alike are dropped
-        rewards, scores = score_groups(texts, batch_problems, G, reward_weights)
+        rewards, scores = score_groups(texts, batch_problems, G, reward_weights)  # (Q*G,), Q*G dicts
         meta = {"run_id": stream_id(run_id, ranks[schedule.batch_index % n], world, cfg, worker),
                 "policy_version": schedule.version, "temperature": cfg.temperature, "worker": worker}
         groups, has_signal = make_groups(prompt_rows, completion_ids, until_stop, rewards, G, meta, sampler_logps,
@@ -144,7 +144,7 @@ def gen_worker(cfg, run_id, ranks, worker, channels):
             m.update(batch_index=schedule.batch_index, draws=schedule.draws, groups_in_batch=len(groups),
                      rollout_figures=rollout_figures)
         if uses_ref_server(cfg):
-            post_groups(cfg, groups)  # the ref server adds ref_logps
+            post_groups(cfg, groups)  # prompt (P_q,), completions (G, C_q): the ref server adds ref_logps (G, C_q)
         else:
             for group in groups:
                 channels.groups.put(group)  # the tensors travel in shared memory
@@ -220,7 +220,7 @@ def main(cfg: Config):
             # GRPO 3. the next batch of groups the worker made, with the reference's log-probs (from the ref
             # server; with LoRA and no --ref_url, from our own model with its adapters off, just below)
             t0 = time.time()
-            taken = [take(step)]
+            taken = [take(step)]  # (tensors, meta): one group, ref_logps (G, C_q) added
             n_groups = cfg.batch_prompts if cfg.regroup else taken[0][1]["groups_in_batch"]
             taken += [take(step) for _ in range(n_groups - 1)]
             groups, metas = [g for g, _ in taken], [m for _, m in taken]
@@ -232,9 +232,9 @@ def main(cfg: Config):
                 generated[m["worker"]] = max(generated[m["worker"]], m["rollout_figures"]["generated"])
                 draws[m["worker"]] = max(draws[m["worker"]], m["draws"])
 
-            batch = collate(groups, tokenizer.pad_token_id)
-            # the tokens the loss counts: each completion up to its stop token (--mask_truncated_completions: none
-            # of one cut off at --max_new_tokens)
+            batch = collate(groups, tokenizer.pad_token_id)  # prompts (Q, P); completions, log-probs (Q*G, C)
+            # the tokens the loss counts, (Q*G, C): each completion up to its stop token (--mask_truncated_completions:
+            # none of one cut off at --max_new_tokens)
             batch["loss_mask"] = completion_mask(batch["completion_ids"], stop_ids, cfg.mask_truncated_completions)
             t_ref = time.time()
             if cfg.beta != 0 and not uses_ref_server(cfg):  # LoRA: the base model, adapters off
@@ -247,7 +247,7 @@ def main(cfg: Config):
                 from simple_grpo.run.phase_timer import timed_update
                 update_stats, logps = timed_update(grpo_update, engine, batch, cfg, profile=step == cfg.profile_step)
             else:
-                update_stats, logps = grpo_update(engine, batch, cfg)
+                update_stats, logps = grpo_update(engine, batch, cfg)  # logps (Q*G, C): the last iteration's
             compute_s = time.time() - t0 - wait_s
 
             # GRPO 5. send the new weights (in memory) every --sync_every steps; the worker loads them when the

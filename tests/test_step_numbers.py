@@ -144,3 +144,24 @@ def test_a_deepspeed_files_optimizer_numbers_become_the_flags_the_run_records(tm
     out = capsys.readouterr().out.splitlines()
     for name, value in (("adam_beta2", "0.95"), ("adam_epsilon", "1e-06"), ("max_grad_norm", "0.5")):
         assert f"  * {name} {value}: from --deepspeed {path}" in out
+
+
+def test_the_guides_step_numbers_are_what_grpo_vllm_one_prints_for_make_demos_flags(capsys):
+    """docs/guide.md's "Reading one step of make demo" copies the block grpo_vllm_one.py prints at start for the
+    flags tools/demo.py passes it (--ref_url to its server, tools/launch.py's TINY_WORLD_FLAGS, the run's own),
+    and its command passes those flags."""
+    from grpo_vllm_one import Config
+    from simple_grpo.flags import parse_flags
+    from simple_grpo.trainer.config import check_options
+    from tools.launch import TINY_WORLD_FLAGS
+    cfg = parse_flags(Config, args=["--ref_url", "http://127.0.0.1:1", *TINY_WORLD_FLAGS, "--run_name",
+                                    "demo_vllm_seed0", "--overwrite", "--seed", "0", "--steps", "650"])
+    capsys.readouterr()
+    check_options(cfg)
+    printed = capsys.readouterr().out.strip()
+    with open(os.path.join(ROOT, "docs", "guide.md")) as f:
+        guide = f.read()
+    copy = re.search(r"<!-- step-numbers: [^\n]* -->\n```\n(.*?)\n```\n<!-- /step-numbers -->", guide, re.DOTALL)
+    assert copy, "docs/guide.md has no block <!-- step-numbers: ... --> ``` ... ``` <!-- /step-numbers -->"
+    assert copy.group(1) == printed, f"docs/guide.md's step numbers differ from what the trainer prints:\n{printed}"
+    assert f"python grpo_vllm_one.py --ref_url http://127.0.0.1:PORT {' '.join(TINY_WORLD_FLAGS)} " in guide

@@ -63,13 +63,13 @@ def reference_logps(engine, batch, cfg):
 
 
 def grpo_update(engine, batch, cfg):
-    """The GRPO update on one collated batch: the stats, and the last iteration's per-token log-probs (B, C).
+    """The GRPO update on one collated batch: the stats, and the last iteration's per-token log-probs (Q*G, C).
     pi_old, the ratio's base, is the trainer's own log-probs of the first iteration; vLLM's batch["sampler_logps"]
     weight each token (--tis_cap), or with --tis_cap 0 are pi_old. From the second of --num_iterations on, the
     ratio moves off 1 and the clip bounds the update."""
     engine.train()  # checkpointing and dropout act only in training mode
     batch = {k: v.to(engine.device) for k, v in batch.items()}
-    loss_mask = batch["loss_mask"]  # (B, C)
+    loss_mask = batch["loss_mask"]  # (Q*G, C)
     G, parts = micro_batches(batch, cfg)
     # every rank runs as many passes as the rank with the most parts (ZeRO-2/3 communicate in each pass: ranks with
     # different numbers wait for each other forever); one with fewer reruns its first part with a gradient of 0
@@ -80,10 +80,10 @@ def grpo_update(engine, batch, cfg):
     denominator, tokens = sum_over_ranks(loss_denominator(loss_mask, cfg.loss_type, cfg.max_new_tokens),
                                          loss_mask.sum())
     denominator, tokens = denominator / world, max(tokens, 1.0)  # tokens: the stats' weights (masking can leave 0)
-    sampler_logps = batch.get("sampler_logps")  # (B, C) vLLM's; None where the trainer's own policy sampled
+    sampler_logps = batch.get("sampler_logps")  # (Q*G, C) vLLM's; None where the trainer's own policy sampled
     tis_cap = cfg.tis_cap if sampler_logps is not None else 0.0
     sampler_is_pi_old = sampler_logps is not None and tis_cap == 0
-    old_logps, skipped, norm = None, 0, None  # old_logps (B, C): the trainer's own, set by the first iteration
+    old_logps, skipped, norm = None, 0, None  # old_logps (Q*G, C): the trainer's own, set by the first iteration
     for _ in range(cfg.num_iterations):
         loss, stats, new_logps, entropy = 0.0, {}, [], 0.0
         for i, (q0, q1) in enumerate(parts + [parts[0]] * (passes - len(parts))):
@@ -105,11 +105,11 @@ def grpo_update(engine, batch, cfg):
             part_loss, part_stats = grpo_loss(logps, pi_old, ref, batch["advantages"][rows], loss_mask[rows],
                                               sampler_logps=is_logps, tis_cap=tis_cap, denominator=denominator,
                                               **loss_options(cfg))
-            engine.backward(part_loss)
+            engine.backward(part_loss)  # the passes' gradients add up until engine.step()
             loss += part_loss.item() / world  # the ranks' sum of these is the batch's loss
             add_part_stats(stats, part_stats, loss_mask[rows].sum().item() / tokens)  # token means, by tokens
             entropy += (part_entropy * loss_mask[rows]).sum().item()
-        old_logps = torch.cat(new_logps) if old_logps is None else old_logps  # (B, C)
+        old_logps = torch.cat(new_logps) if old_logps is None else old_logps  # (Q*G, C)
         norm, stepped = optimizer_step(engine, loss)
         skipped += not stepped
     # this rank's shares of the batch's loss and token means, and its counts; stats_over_ranks adds them up
