@@ -110,7 +110,7 @@ def gen_worker(cfg, run_id, ranks, worker, channels):
     schedule = WorkerSchedule(cfg, llm, channels, n, first_batch_index=worker,
                               draw=lambda: rng.sample(problems, cfg.batch_prompts))
     while not channels.stop.is_set():
-        if not schedule.take_weights_or_wait():  # it loaded weights or resumed, or waits for the next batch's
+        if not schedule.take_weights_or_wait():  # GRPO 5. the worker's half: load the weights this batch samples with
             continue
 
         # GRPO 1. sample G completions per problem with weights version schedule.version (vLLM), with their log-probs

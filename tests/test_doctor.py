@@ -196,6 +196,6 @@ def test_no_signal_run_without_stop_on_ends_at_its_deadline(server):  # noqa: F8
     out, seconds = trainer("--ref_url", server, "--data_timeout", "20", "--run_name", "test_no_signal_deadline")
     assert out.returncode != 0, out.stdout[-3000:]
     assert "run doctor [no_signal]" in out.stdout
-    assert "waiting for batch 1" in out.stdout and "dropped whole (all groups all-alike)" in out.stdout
+    assert "waiting for step 1's batch" in out.stdout and "dropped whole (all groups all-alike)" in out.stdout
     assert "no trainable batch came in 20 s (--data_timeout): the worker's last" in out.stdout, out.stdout[-3000:]
     print(f"no-signal deadline: {seconds:.0f} s in all")

@@ -41,7 +41,7 @@ def main():
     args = ap.parse_args()
     run_name = args.run_name or (f"demo_{'lora_' if args.lora else ''}{'' if args.trainer == 'grpo_train' else 'vllm_'}"
                                  f"seed{args.seed}")
-    # busy processes (trainer, ref server, vLLM worker) share two cores: OpenMP threads must sleep, not spin, while idle
+    # busy processes (trainer, ref server, vLLM worker) share the cores: OpenMP threads must sleep, not spin, while idle
     env = child_env()
     t0 = time.time()
     before = evaluate(MODEL, env)

@@ -230,7 +230,7 @@ class WorkerProgress:
         if self.ready_at is None:
             return (f"waiting for the generation worker to start vLLM ({time.time() - self.started:.0f} s, "
                     f"gives up after {self.cfg.startup_timeout:.0f} s)")
-        text = f"waiting for batch {step} ({waited_s:.0f} s): worker made {self.batches} batches"
+        text = f"waiting for step {step}'s batch ({waited_s:.0f} s): worker made {self.batches} batches"
         if self.dropped:
             text += f", {self.dropped} dropped whole (all groups all-alike)"
         if self.last is not None:

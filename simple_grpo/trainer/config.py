@@ -73,7 +73,8 @@ class TrainerConfig(TaskConfig):
     ref_token: str = flag("", "the ref server's shared token, if it has one (default: $SIMPLE_GRPO_TOKEN)")
     ref_model_differs_ok: bool = flag(False, "go on when the ref server serves another model than --model (its /health "
                                              "fingerprint differs): a different reference is meant")
-    ref_timeout: float = flag(120.0, "seconds to wait for a finished group, or for room in a full queue")
+    ref_timeout: float = flag(120.0, "seconds an upload waits for room in a full queue, and grpo_train.py for a "
+                                     "finished group (grpo_vllm_one.py's trainer waits --data_timeout)")
     peer_timeout: float = flag(30.0, "seconds the ref server may not answer at all before the run stops")
     local_rank: int = flag(-1, "set by the deepspeed launcher")
     save_every: int = flag(100, "steps between checkpoints (and one at the end)")
