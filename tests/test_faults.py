@@ -209,6 +209,28 @@ def test_sigterm_to_make_demo_stops_server_trainer_and_worker():
         demo.kill()
 
 
+def test_sigterm_while_the_demo_waits_for_the_ref_servers_health_leaves_no_server(tmp_path):
+    """make demo's first wait (tools/launch.start_ref_server, up to 120 s): a SIGTERM then stops the server it
+    started. The server here is a stand-in that never answers /health, so the signal comes during the wait."""
+    mute = tmp_path / "mute_server.py"
+    mute.write_text("import os, sys, time\nopen(sys.argv[-1] + '.pid', 'w').write(str(os.getpid()))\ntime.sleep(300)\n")
+    waiter = subprocess.Popen([sys.executable, "-c", "import signal, sys\n"
+                               "signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as tools/demo.py does\n"
+                               "from tools.launch import start_ref_server\n"
+                               f"start_ref_server({free_port()}, {{}}, str({str(tmp_path / 'mute')!r}), script={str(mute)!r})"],
+                              cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    pid_file = tmp_path / "mute.pid"
+    try:
+        wait_for(lambda: pid_file.exists() and pid_file.read_text(), 60, waiter)
+        server = psutil.Process(int(pid_file.read_text()))
+        waiter.send_signal(signal.SIGTERM)
+        assert waiter.wait(timeout=60) == 143, waiter.stderr.read()[-3000:]
+        _, alive = psutil.wait_procs([server], timeout=30)
+        assert not alive, "the ref server outlived the demo that started it"
+    finally:
+        waiter.kill()
+
+
 def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path, capsys):
     """torch waits forever on the `lock` file of an ops build that was killed: setup removes it once it is
     older than any build, and leaves a fresh one (a build running now in another process) alone."""

@@ -55,17 +55,20 @@ def start_ref_server(port, env, *args, token="", script="ref_server.py", stdout=
     proc = subprocess.Popen([sys.executable, script, "--model", MODEL, "--port", str(port),
                              "--threads", "2", *args], cwd=ROOT, env=env, stdout=stdout)
     deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{script} exited with code {proc.returncode} during start-up")
-        try:
-            requests.get(f"http://127.0.0.1:{port}/health", timeout=1,
-                         headers={"Authorization": f"Bearer {token}"} if token else {}).raise_for_status()
-            return proc
-        except requests.RequestException:
-            time.sleep(0.5)
-    proc.terminate()
-    raise SystemExit(f"{script} did not answer /health within 120 s")
+    try:
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise SystemExit(f"{script} exited with code {proc.returncode} during start-up")
+            try:
+                requests.get(f"http://127.0.0.1:{port}/health", timeout=1,
+                             headers={"Authorization": f"Bearer {token}"} if token else {}).raise_for_status()
+                return proc
+            except requests.RequestException:
+                time.sleep(0.5)
+        raise SystemExit(f"{script} did not answer /health within 120 s")
+    except BaseException:  # no answer in time, Ctrl-C or SIGTERM while waiting: leave no server running
+        stop(proc)
+        raise
 
 
 def smollm2_warm_start(env, flags=WARM_START_FLAGS):
