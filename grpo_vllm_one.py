@@ -41,7 +41,6 @@ from simple_grpo.run.checkpoints import check_run_dir, open_run, save_checkpoint
 from simple_grpo.run.completions_log import log_batch_completions
 from simple_grpo.run.doctor import RunDoctor, batch_summary
 from simple_grpo.run.metrics import Tracker, finish_run, log_step
-from simple_grpo.run.preflight import preflight
 from simple_grpo.task.problems import load_data, make_prompt, stop_token_ids
 from simple_grpo.task.rewards import extract_answer, parse_reward_spec, pick_accuracy_reward
 from simple_grpo.trainer.config import TrainerConfig, check_options
@@ -165,6 +164,7 @@ def main(cfg: Config):
     if uses_ref_server(cfg):
         check_reference(cfg)  # fail fast if the server is absent, or serves another model than ours
     if cfg.preflight and rank == 0:
+        from simple_grpo.run.preflight import preflight
         preflight(cfg)
     # one worker set per gen_every ranks (default: per node), started by the first of them, makes the batches of
     # the ranks it serves (several ranks: DeepSpeed averages their gradients)

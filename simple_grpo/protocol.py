@@ -1,6 +1,5 @@
 """The wire between generators, the reference server and trainers: messages, client calls, the model check, the
-server's flags. A message is safetensors bytes (tensors, JSON meta in the header): parsing runs no code (no pickle).
-"""
+server's flags. A message is safetensors bytes (tensors, JSON meta in the header): parsing runs no code (no pickle)."""
 import glob
 import hashlib
 import json

@@ -7,7 +7,6 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 from unittest import mock
 
@@ -19,7 +18,7 @@ from simple_grpo.devices import generation_gpus, physical_gpus, reference_gpus, 
 from simple_grpo.protocol import TOKEN_ENV
 
 
-@dataclass
+@dataclasses.dataclass
 class Channels:
     weights: Any  # trainer -> this worker: ("buffers", ...) once, then ("weights", version, i); ("resume", ...)
     groups: Any  # this worker -> trainer where no ref server is used (--beta 0, or LoRA without --ref_url)
@@ -148,7 +147,7 @@ def join_all(workers, seconds):
         worker.join(timeout=max(deadline - time.time(), 0))
 
 
-def wait_for_vllm(workers, cfg, say=print):
+def wait_for_vllm(workers, cfg):
     """Where a worker's vLLM shares a GPU with this trainer (or with --startup_order vllm_first), wait until every
     worker has vLLM up before the trainer loads its model: vLLM sizes its KV cache from the GPU's free memory as it
     profiles, and fails if that rose meanwhile. Stops the run after --startup_timeout; puts the ready messages back."""
@@ -158,8 +157,8 @@ def wait_for_vllm(workers, cfg, say=print):
     status, started, taken = workers[0][1].status, time.time(), []
     why = ("vLLM shares this trainer's GPU and measures its free memory" if order == "auto"
            else "--startup_order vllm_first")
-    say(f"waiting for the generation worker's vLLM to start before the trainer loads its model ({why}; "
-        f"gives up after {cfg.startup_timeout:.0f} s)")
+    print(f"waiting for the generation worker's vLLM to start before the trainer loads its model ({why}; "
+          f"gives up after {cfg.startup_timeout:.0f} s)")
     while sum(kind == "ready" for kind, _ in taken) < len(workers):
         if time.time() - started > cfg.startup_timeout:
             raise SystemExit(f"vLLM did not start in {cfg.startup_timeout:.0f} s (--startup_timeout), and the trainer "
@@ -169,7 +168,7 @@ def wait_for_vllm(workers, cfg, say=print):
             taken.append(status.get(timeout=1.0))
         except queue.Empty:
             pass
-    say(f"vLLM is up after {time.time() - started:.0f} s: the trainer loads its model now")
+    print(f"vLLM is up after {time.time() - started:.0f} s: the trainer loads its model now")
     for message in taken:
         status.put(message)
 
@@ -240,13 +239,11 @@ class WorkerProgress:
     def check_deadline(self, waited_s):
         """Stop the run, naming what never came, when a wait has gone on too long."""
         now, cfg = time.time(), self.cfg
-        if self.ready_at is None:
-            if now - self.started > cfg.startup_timeout:
-                raise SystemExit(f"the generation worker has not started vLLM in {cfg.startup_timeout:.0f} s "
-                                 f"(model {cfg.model}): see its log above; a large model may need a longer "
-                                 "--startup_timeout")
-            return
-        if now - max(now - waited_s, self.ready_at) <= cfg.data_timeout:
+        if self.ready_at is None and now - self.started > cfg.startup_timeout:
+            raise SystemExit(f"the generation worker has not started vLLM in {cfg.startup_timeout:.0f} s "
+                             f"(model {cfg.model}): see its log above; a large model may need a longer "
+                             "--startup_timeout")
+        if self.ready_at is None or min(waited_s, now - self.ready_at) <= cfg.data_timeout:  # waited since vLLM was up
             return
         if self.batches == 0:
             what = "the worker has sampled no batch at all since vLLM started: see its log above"

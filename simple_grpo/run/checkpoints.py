@@ -1,7 +1,6 @@
 """runs/NAME/: config.json, metrics.jsonl and step_N/ (the policy in HF format; the latest also keeps, in deepspeed/,
 what --resume needs). A save goes to step_N.tmp/, renamed to step_N/ when whole: a kill leaves a .tmp/ that the next
 start deletes. A used directory is continued only with --resume and replaced only with --overwrite."""
-import contextlib
 import json
 import os
 import random
@@ -42,6 +41,7 @@ def barrier():
 def save_checkpoint(engine, tokenizer, run_dir, step, state):
     """runs/NAME/step_N/: the HF model (LoRA: the adapters) and tokenizer, and in deepspeed/ the engine's state, the
     trainer's `state` and the RNGs. Every rank calls it; a full disk ends the run with the last checkpoint whole."""
+    import deepspeed
     final = os.path.join(run_dir, f"step_{step}")
     tmp, rank0 = final + ".tmp", engine.global_rank == 0
     lora = hasattr(engine.module, "peft_config")  # step_N/ then holds the adapters (PEFT's format), not the model
@@ -54,11 +54,8 @@ def save_checkpoint(engine, tokenizer, run_dir, step, state):
                                save_latest=False, exclude_frozen_parameters=lora)  # LoRA: the base is on disk
     except Exception as e:  # decided below, by every rank together
         error = e
-    gather = contextlib.nullcontext()
-    if engine.zero_optimization_stage() == 3:  # each rank holds a shard of every weight: gather them whole
-        import deepspeed
-        gather = deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
-    with gather:  # every rank enters; rank 0 writes
+    # every rank enters, rank 0 writes; ZeRO-3's shards of each weight are gathered whole (other stages: a no-op)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
         if rank0 and error is None:
             try:
                 engine.module.save_pretrained(tmp)

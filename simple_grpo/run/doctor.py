@@ -2,7 +2,6 @@
 starts, on the console and as a line in metrics.jsonl; the --doctor_* flags set when, and --stop_on RULES
 (e.g. no_signal,kl) stops the run when one of them fires."""
 import json
-from collections import Counter
 
 from tqdm import tqdm
 
@@ -70,6 +69,7 @@ class RunDoctor:
         return self.report("no_signal", firing, step, self.no_signal_message)
 
     def no_signal_message(self):
+        from collections import Counter
         rewards = [r for s in self.silent for r in s["rewards"]]
         seen = ", ".join(f"{value:g} x{count}" for value, count in Counter(rewards).most_common(4))
         sample = self.silent[-1]["sample"]
@@ -171,6 +171,5 @@ class RunDoctor:
         self.active.add(rule)
         text = message()
         tqdm.write(f"run doctor [{rule}] at step {step}: {text}")
-        if self.metrics_path:
-            append_lines(self.metrics_path, [json.dumps({"step": step, "warning": rule, "message": text}) + "\n"])
+        append_lines(self.metrics_path, [json.dumps({"step": step, "warning": rule, "message": text}) + "\n"])
         return f"run doctor stopped the run (--stop_on {rule}): {text}" if rule in self.stop_on else None

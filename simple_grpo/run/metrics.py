@@ -1,6 +1,5 @@
 """runs/NAME/metrics.jsonl: one JSON line per step, and the run doctor's warnings (lines with a "warning" key);
 curves.png drawn from it at the end. --report_to also sends each step to TensorBoard or W&B."""
-import dataclasses
 import importlib.util
 import io
 import json
@@ -36,6 +35,7 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
         elif self.kind == "wandb":
+            import dataclasses
             import wandb
             self.writer = wandb.init(project="simple_grpo", name=cfg.run_name, config=dataclasses.asdict(cfg))
         else:
@@ -80,8 +80,7 @@ def add_part_stats(stats, part, share=1):
 
 
 def stats_over_ranks(stats):
-    """The whole batch's diagnostics: every rank's, folded by add_part_stats (each holds its share of a token mean,
-    or its counts)."""
+    """The whole batch's diagnostics: every rank's (its shares of the token means, its counts) by add_part_stats."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return stats
     every, merged = [None] * dist.get_world_size(), {}
@@ -118,14 +117,13 @@ def read_metrics(metrics_path):
 def curves_png(rows, keys, columns=4):
     """One panel per key the step records hold, raw values faint and a running mean (over a tenth of the steps,
     1 to 20) bold, as PNG bytes; None when none of the keys is logged."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # not pyplot: no GUI backend, no global figure to close
     keys = [k for k in keys if any(is_number(r.get(k)) for r in rows)]
     if not keys:
         return None
     n_rows = math.ceil(len(keys) / columns)
-    fig, axes = plt.subplots(n_rows, columns, figsize=(3.2 * columns, 2.4 * n_rows), squeeze=False)
+    fig = Figure(figsize=(3.2 * columns, 2.4 * n_rows), layout="tight")
+    axes = fig.subplots(n_rows, columns, squeeze=False)
     for ax, key in zip(axes.flat, keys):
         points = [(r["step"], r[key]) for r in rows if is_number(r.get(key))]
         steps, values = [s for s, _ in points], [v for _, v in points]
@@ -138,10 +136,8 @@ def curves_png(rows, keys, columns=4):
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
-    fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=80)
-    plt.close(fig)
     return buffer.getvalue()
 
 

@@ -3,17 +3,13 @@ DeepSpeed config it is built from: the flags', or a --deepspeed FILE (HF/TRL sty
 
 One engine.step() clips the gradients to a global 2-norm of --max_grad_norm, takes one AdamW step (torch's; --lr,
 constant, --adam_beta1, --adam_beta2, --adam_epsilon, --weight_decay) and zeroes the gradients. bfloat16: bf16
-weights, gradients and activations, fp32 master weights and Adam moments.
-"""
+weights, gradients and activations, fp32 master weights and Adam moments."""
 import glob
-import json
 import os
 import random
 import time
 
 import torch
-
-from simple_grpo.lora import add_adapters
 
 DTYPES = ("float32", "bfloat16")
 
@@ -51,7 +47,8 @@ def make_engine(cfg):
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, cfg.dtype))
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if cfg.use_peft:  # LoRA: the base is frozen, the adapters train (simple_grpo/lora.py)
+    if cfg.use_peft:  # LoRA: the base is frozen, the adapters train
+        from simple_grpo.lora import add_adapters
         model = add_adapters(model, cfg)
     if cfg.disable_dropout:
         disable_dropout(model)
@@ -65,9 +62,8 @@ def make_engine(cfg):
 
 
 def leave_process_group():
-    """End of a trainer's process, after a run that ended well: this rank leaves the process group DeepSpeed made
-    (NCCL warns at exit of one left open). Not at the end of main(): a second run in the same process (the tests,
-    a notebook) would find DeepSpeed's group destroyed. Not after an error: other ranks may be in a collective."""
+    """This rank leaves the process group DeepSpeed made (NCCL warns at exit of one left open), at the end of a
+    trainer's process after a run that ended well (after an error, other ranks may be in a collective)."""
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
@@ -150,6 +146,7 @@ def file_config(cfg, defaults=None):
     values the file changed. A file's values win over the flags, except "auto", which takes the flag's (as in
     transformers' and TRL's DeepSpeed integration). The lines name each flag set to other than its default that
     the file overrides, and each change to the optimizer, the clipping or the scheduler (none: the lr is constant)."""
+    import json
     base = flag_config(cfg)
     if not os.path.isfile(cfg.deepspeed):
         raise SystemExit(f"--deepspeed {cfg.deepspeed}: no such file")

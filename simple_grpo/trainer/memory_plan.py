@@ -2,12 +2,10 @@
 line (GB: 10^9 bytes; docs/gpu_notes.md checks it against runs), e.g. for 8 training ranks on one node:
     WORLD_SIZE=8 python grpo_vllm_one.py --plan --model configs/qwen2.5-7b --dtype bfloat16 --zero_stage 2"""
 import functools
-import json
 import math
 import os
 
 from simple_grpo.devices import generation_gpus, physical_gpus, visible_gpus, vllm_memory_share
-from simple_grpo.lora import lora_dropout, target_modules
 
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -56,6 +54,7 @@ def adapted_linears(cfg, m):
     """(in, out) of each linear layer LoRA adapts: PEFT's per-architecture default, a list of names, or
     all-linear (every linear layer but the output head)."""
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+    from simple_grpo.lora import target_modules
     targets = target_modules(cfg.lora_target_modules) or DEFAULTS.get(m["model_type"])
     if targets is None:
         raise ValueError(f"PEFT has no default LoRA targets for {m['model_type']}: pass --lora_target_modules")
@@ -149,6 +148,7 @@ def activation_bytes(m, d, seqs, seq_len, completion_len, checkpointing, lora_in
 def update_activations(cfg, m, d, seqs, seq_len, chunk=LOGPROB_CHUNK):
     """activation_bytes for a trainer's config: its checkpointing, and LoRA's dropout on the inputs of the
     layers it adapts (per layer) where it has any."""
+    from simple_grpo.lora import lora_dropout
     lora_inputs = sum(i for i, _ in adapted_linears(cfg, m)) / m["layers"] \
         if cfg.use_peft and lora_dropout(cfg) > 0 else 0
     return activation_bytes(m, d, seqs, seq_len, cfg.max_new_tokens, cfg.gradient_checkpointing, lora_inputs, chunk)
@@ -332,6 +332,7 @@ def format_plan(plan):
 def plan_json(plan):
     """The one-line summary: {"fits", "trainer_gpu_gb", "generation_gpu_gb", "host_gb"}, GB to 0.1, and
     "least_gen_memory", the smallest --gen_memory that holds vLLM (bench/gpu_scale.py gives vLLM that share)."""
+    import json
     numbers = {key: round(plan[key], 1) for key in ("trainer_gpu_gb", "generation_gpu_gb", "host_gb")}
     return json.dumps({"fits": plan["fits"], **numbers, "least_gen_memory": plan["least_gen_memory"]})
 
