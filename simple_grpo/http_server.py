@@ -6,8 +6,10 @@ import json
 import math
 import os
 import socket
+import sys
 import threading
 import time
+from http import HTTPStatus
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
@@ -99,14 +101,12 @@ class ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
             self.slots.release()
 
     def handle_error(self, request, client_address):
-        import sys
         if not isinstance(sys.exc_info()[1], OSError):  # a client that hung up or was cut off is no error
             super().handle_error(request, client_address)
 
 
 def refuse(sock, status, reason):
     """A one-line JSON answer written straight to a socket no thread will serve."""
-    from http import HTTPStatus
     body = json.dumps({"error": reason}).encode()
     head = (f"HTTP/1.0 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")

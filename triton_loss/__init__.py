@@ -1,11 +1,15 @@
 """triton_loss: fused Triton kernels for the log-prob and loss path, --loss_impl triton (README.md here), with
 the numbers of the torch versions; check_loss_impl refuses it where Triton cannot run."""
+import os
+
+import torch
+
+LOGP_BLOCK = 1024  # vocabulary entries a program reads at a time
+LOSS_BLOCK = 1024  # tokens a program handles in the loss kernel
 
 
 def triton_problem():
     """Why the kernels cannot run here, or None when they can."""
-    import os
-    import torch
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -26,12 +30,10 @@ def check_loss_impl(loss_impl):
 def selective_log_softmax_triton(logits, token_ids, temperature=1.0):
     """log softmax(logits / temperature)[token_ids], (B, T, V), (B, T) -> (B, T), fused."""
     from triton_loss.kernels import LogProbs
-    block = 1024  # vocabulary entries a program reads at a time
-    return LogProbs.apply(logits, token_ids, temperature, block)
+    return LogProbs.apply(logits, token_ids, temperature, LOGP_BLOCK)
 
 
 def per_token_loss_triton(logps, old_logps, ref_logps, advantages, beta, epsilon, epsilon_high):
     """grpo_math.per_token_loss in one kernel: (per-token loss, ratio, kl), (B, C) each."""
     from triton_loss.kernels import PerTokenLoss
-    block = 1024  # tokens a program handles
-    return PerTokenLoss.apply(logps, old_logps, ref_logps, advantages, beta, epsilon, epsilon_high, block)
+    return PerTokenLoss.apply(logps, old_logps, ref_logps, advantages, beta, epsilon, epsilon_high, LOSS_BLOCK)

@@ -1,4 +1,5 @@
 """A full disk, told apart from other write errors (torch.save's has no errno) and named in plain words."""
+import errno
 import os
 import shutil
 
@@ -19,7 +20,6 @@ def tree_bytes(path):
 def is_disk_full(error, path, needed=1 << 20):
     """Whether `error`, raised writing under path, came from a full disk (or quota): ENOSPC or EDQUOT in its chain,
     or less room left than the write needed."""
-    import errno
     seen = error
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):

@@ -2,6 +2,7 @@
 starts, on the console and as a line in metrics.jsonl; the --doctor_* flags set when, and --stop_on RULES
 (e.g. no_signal,kl) stops the run when one of them fires."""
 import json
+from collections import Counter
 
 from tqdm import tqdm
 
@@ -69,7 +70,6 @@ class RunDoctor:
         return self.report("no_signal", firing, step, self.no_signal_message)
 
     def no_signal_message(self):
-        from collections import Counter
         rewards = [r for s in self.silent for r in s["rewards"]]
         seen = ", ".join(f"{value:g} x{count}" for value, count in Counter(rewards).most_common(4))
         sample = self.silent[-1]["sample"]

@@ -1,5 +1,6 @@
 """runs/NAME/metrics.jsonl: one JSON line per step, and the run doctor's warnings (lines with a "warning" key);
 curves.png drawn from it at the end. --report_to also sends each step to TensorBoard or W&B."""
+import dataclasses
 import importlib.util
 import io
 import json
@@ -35,7 +36,6 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
         elif self.kind == "wandb":
-            import dataclasses
             import wandb
             self.writer = wandb.init(project="simple_grpo", name=cfg.run_name, config=dataclasses.asdict(cfg))
         else:

@@ -5,6 +5,7 @@ One engine.step() clips the gradients to a global 2-norm of --max_grad_norm, tak
 constant, --adam_beta1, --adam_beta2, --adam_epsilon, --weight_decay) and zeroes the gradients. bfloat16: bf16
 weights, gradients and activations, fp32 master weights and Adam moments."""
 import glob
+import json
 import os
 import random
 import time
@@ -146,7 +147,6 @@ def file_config(cfg, defaults=None):
     values the file changed. A file's values win over the flags, except "auto", which takes the flag's (as in
     transformers' and TRL's DeepSpeed integration). The lines name each flag set to other than its default that
     the file overrides, and each change to the optimizer, the clipping or the scheduler (none: the lr is constant)."""
-    import json
     base = flag_config(cfg)
     if not os.path.isfile(cfg.deepspeed):
         raise SystemExit(f"--deepspeed {cfg.deepspeed}: no such file")

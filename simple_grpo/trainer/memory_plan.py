@@ -2,6 +2,7 @@
 line (GB: 10^9 bytes; docs/gpu_notes.md checks it against runs), e.g. for 8 training ranks on one node:
     WORLD_SIZE=8 python grpo_vllm_one.py --plan --model configs/qwen2.5-7b --dtype bfloat16 --zero_stage 2"""
 import functools
+import json
 import math
 import os
 
@@ -332,7 +333,6 @@ def format_plan(plan):
 def plan_json(plan):
     """The one-line summary: {"fits", "trainer_gpu_gb", "generation_gpu_gb", "host_gb"}, GB to 0.1, and
     "least_gen_memory", the smallest --gen_memory that holds vLLM (bench/gpu_scale.py gives vLLM that share)."""
-    import json
     numbers = {key: round(plan[key], 1) for key in ("trainer_gpu_gb", "generation_gpu_gb", "host_gb")}
     return json.dumps({"fits": plan["fits"], **numbers, "least_gen_memory": plan["least_gen_memory"]})
 
