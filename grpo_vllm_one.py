@@ -64,7 +64,7 @@ class Config(TrainerConfig):
     max_model_len: int = flag(512, "vLLM's context length: prompt + completion")
     tis_cap: float = flag(2.0, "capped importance sampling (TIS): each token weighted by min(pi_old / pi_vLLM, cap); "
                                 "0: no weights, vLLM's log-probs are pi_old (the ratio's denominator) instead")
-    sync_every: int = flag(1, "optimizer steps between weight syncs to the worker")
+    sync_every: int = flag(1, "trainer steps between weight syncs to the worker")
     max_policy_lag: int = flag(1, "the worker waits rather than sample with weights older than this")
     regroup: bool = flag(False, "regroup_ver/: upload all groups; the regrouping server serves mixed-reward ones")
     max_completions: int = flag(0, "stop once the worker has generated this many completions (0: run all steps)")

@@ -209,8 +209,8 @@ def default_ref_url(cfg):
 
 
 def default_lr(model):
-    """--lr's default: 1e-4 for the tiny default model (docs/tuning.md: 2e-4 learned slower, 5e-4 collapsed);
-    1e-6, TRL's, for any other, as a pretrained model trained in full wants: Adam's first steps move every
+    """--lr's default: 1e-4 for the tiny default model (docs/tuning.md's grpo_train runs: 2e-4 did worse, 5e-4
+    collapsed); 1e-6, TRL's, for any other, as a pretrained model trained in full wants: Adam's first steps move every
     weight by about lr, and 1e-4 took SmolLM2-135M's KL to the reference to 239 in one update."""
     return 1e-4 if is_tiny(model) else 1e-6
 
