@@ -241,8 +241,11 @@ def main(cfg: Config):
                 batch["ref_logps"] = reference_logps(engine, batch, cfg)
             ref_s = time.time() - t_ref
 
-            # GRPO 4. the update: grpo_math.grpo_loss on the batch, one optimizer step. The ratio's old_logps are
-            # the trainer's own; vLLM's sampler_logps weight each token (--tis_cap; with 0 they are old_logps)
+            # GRPO 4. the update: grpo_math.grpo_loss on the batch, one optimizer step. Its inputs: the live policy's
+            # logps and old_logps (the ratio; both computed in grpo_update, old_logps detached in the first
+            # iteration), advantages (make_groups, in the worker), ref_logps (the ref server: the KL term),
+            # sampler_logps (vLLM's: each token's weight min(pi_old / pi_vLLM, --tis_cap); with 0 they are
+            # old_logps instead) and loss_mask (just above)
             if cfg.time_phases or step == cfg.profile_step:  # the same update, timed by phase (run/phase_timer.py)
                 from simple_grpo.run.phase_timer import timed_update
                 update_stats, logps = timed_update(grpo_update, engine, batch, cfg, profile=step == cfg.profile_step)
