@@ -1,5 +1,6 @@
 """Several DeepSpeed ranks on CPU (gloo): 2 ranks with ZeRO-2 and ZeRO-3, launched by torchrun and
 by the deepspeed launcher, take the same steps as one rank on the same global batch."""
+import contextlib
 import json
 import os
 import socket
@@ -173,17 +174,12 @@ def test_two_ranks_with_a_ref_server(trainer, stage, workers, options):
     import psutil
     import requests
     import time
+    from tools.launch import start_ref_server, stop
     port, run = free_port(), f"test_two_ranks_{trainer}_{workers}{'_micro' if options else ''}"
     extra = (["--gen_every", "1"] if workers == 2 else []) + options
-    server = subprocess.Popen([sys.executable, "ref_server.py", "--port", str(port)], cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = start_ref_server(port, os.environ, stdout=subprocess.DEVNULL)  # stops the test if it does not start
+    launcher, family, spawned = None, [], set()  # the run's launcher; every process of the run; its workers
     try:
-        for _ in range(120):
-            try:
-                requests.get(f"http://127.0.0.1:{port}/health", timeout=1).raise_for_status()
-                break
-            except requests.RequestException:
-                time.sleep(0.5)
         launcher = subprocess.Popen(
             [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), f"{trainer}.py",
              "--ref_url", f"http://127.0.0.1:{port}", "--steps", "3", "--save_every", "2", "--batch_prompts", "2",
@@ -192,7 +188,6 @@ def test_two_ranks_with_a_ref_server(trainer, stage, workers, options):
             # as vLLM on CPU leaves it in a process that ran an engine (earlier tests here did): under the
             # deepspeed launcher it must not count, or each rank would start a worker of its own
             env=dict(os.environ, LOCAL_WORLD_SIZE="1"))
-        family, spawned = [], set()  # every process of the run; the multiprocessing children (workers)
         deadline = time.time() + 900
         while launcher.poll() is None and time.time() < deadline:
             try:
@@ -201,6 +196,7 @@ def test_two_ranks_with_a_ref_server(trainer, stage, workers, options):
             except psutil.NoSuchProcess:
                 pass
             time.sleep(1)
+        assert launcher.poll() is not None, f"the run did not end in 900 s: {' '.join(launcher.args)}"
         out = launcher.communicate(timeout=60)[0]
         assert launcher.returncode == 0, out[-4000:]
         rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", run, "metrics.jsonl"))]
@@ -215,8 +211,12 @@ def test_two_ranks_with_a_ref_server(trainer, stage, workers, options):
         _, alive = psutil.wait_procs(family, timeout=30)
         assert not alive, [(p.pid, p.name()) for p in alive]
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        if launcher is not None and launcher.poll() is None:  # timed out: leave none of the run's processes behind
+            launcher.kill()
+            for p in family:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+        stop(server)
 
 
 def global_batch_run(tmp_path, ranks, stage, micro):
