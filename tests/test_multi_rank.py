@@ -3,11 +3,12 @@ by the deepspeed launcher, take the same steps as one rank on the same global ba
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from tools.launch import free_port, start_ref_server, stop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
@@ -63,12 +64,6 @@ if rank == 0:
                       "weights_sum": sum(t.double().sum().item() for t in saved.values()),
                       "numel": sum(t.numel() for t in saved.values())}))
 """
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_step(tmp_path, launcher, stage):
@@ -174,7 +169,6 @@ def test_two_ranks_with_a_ref_server(trainer, stage, workers, options):
     import psutil
     import requests
     import time
-    from tools.launch import start_ref_server, stop
     port, run = free_port(), f"test_two_ranks_{trainer}_{workers}{'_micro' if options else ''}"
     extra = (["--gen_every", "1"] if workers == 2 else []) + options
     server = start_ref_server(port, os.environ, stdout=subprocess.DEVNULL)  # stops the test if it does not start
