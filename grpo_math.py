@@ -65,25 +65,37 @@ def completion_logps(model, prompt_ids, prompt_mask, completion_ids, temperature
     return logps, entropy
 
 
-def is_truncated(completion_ids, stop_ids):
-    """True for each completion cut off at the length limit: no stop token anywhere in it, (B,)."""
-    return ~torch.isin(completion_ids, torch.as_tensor(stop_ids, device=completion_ids.device)).any(1)
+def stop_positions(completion_ids, stop_ids, lengths=None):
+    """Where each completion ends, (B,), and whether it ended at a stop token, (B,). lengths (B,): how many tokens
+    the sampler generated in each row (None: every position); a row ends at its first stop token, or without one at
+    its length: cut off at --max_new_tokens, or where the context (vLLM's --max_model_len) ran out."""
+    B, C = completion_ids.shape
+    positions = torch.arange(C, device=completion_ids.device)[None, :]                      # (1, C)
+    lengths = torch.full((B,), C, device=completion_ids.device) if lengths is None else lengths.to(completion_ids.device)
+    is_stop = torch.isin(completion_ids, torch.as_tensor(stop_ids, device=completion_ids.device))
+    is_stop &= positions < lengths[:, None]            # the padding past a row's end is no stop, even if pad == EOS
+    stopped = is_stop.any(1)
+    return torch.where(stopped, is_stop.int().argmax(1), lengths - 1), stopped
+
+
+def is_truncated(completion_ids, stop_ids, lengths=None):
+    """True for each completion cut off with no stop token, (B,) (lengths: see stop_positions)."""
+    return ~stop_positions(completion_ids, stop_ids, lengths)[1]
 
 
 # ---------------------------------------------------------------------------- masks and advantages
-def completion_mask(completion_ids, stop_ids, mask_truncated=False):
+def completion_mask(completion_ids, stop_ids, mask_truncated=False, lengths=None):
     """1 for tokens up to and including the first stop token, 0 after it, (B, C).
 
     stop_ids: the EOS id, or a list of ids that end a completion (stop_token_ids in
     simple_grpo/task/problems.py: EOS and the chat template's turn end). By position, not by token
-    id: EOS itself is trained even when pad == eos, and a completion cut off without EOS keeps all
+    id: EOS itself is trained even when pad == eos. lengths (B,): the tokens the sampler generated in each
+    row; nothing past them is ever kept (vLLM's padding). A completion cut off without a stop token keeps all
     its tokens, unless mask_truncated: then it is all 0 (DAPO: a cut-off answer was not judged on its
     merits, so it should not be trained)."""
-    is_eos = torch.isin(completion_ids, torch.as_tensor(stop_ids, device=completion_ids.device))
-    T = completion_ids.size(1)
-    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], T, dtype=torch.long))
-    mask = (torch.arange(T, device=completion_ids.device)[None, :] <= first_eos[:, None]).float()
-    return mask * is_eos.any(1, keepdim=True) if mask_truncated else mask
+    last, stopped = stop_positions(completion_ids, stop_ids, lengths)
+    mask = (torch.arange(completion_ids.size(1), device=completion_ids.device)[None, :] <= last[:, None]).float()
+    return mask * stopped[:, None] if mask_truncated else mask
 
 
 ADVANTAGE_ESTIMATORS = ("grpo", "raft")
@@ -178,11 +190,12 @@ def loss_denominator(loss_mask, loss_type="grpo", max_completion_length=None):
       bnpo, dapo, cispo: completion tokens (every token weighs the same)
       dr_grpo:           sequences * max_completion_length (a constant: no length bias; Liu et al. 2025)
     A trainer that splits the batch divides every part's sum by the WHOLE batch's count: the parts' gradients
-    then add up to the whole batch's, whichever part a group lands in."""
+    then add up to the whole batch's, whichever part a group lands in. The token count is the raw one (0 where
+    masking kept no token): clamp it to 1 once the parts' counts are added up, not each part's."""
     if loss_type == "grpo":
         return loss_mask.size(0)
     if loss_type in ("bnpo", "dapo", "cispo"):
-        return loss_mask.sum().clamp(min=1)
+        return loss_mask.sum()
     if loss_type == "dr_grpo":
         if not max_completion_length:
             raise ValueError("loss_type dr_grpo needs max_completion_length")
@@ -193,8 +206,8 @@ def loss_denominator(loss_mask, loss_type="grpo", max_completion_length=None):
 def aggregate(per_token, loss_mask, loss_type="grpo", max_completion_length=None, denominator=None):
     """One number from the per-token losses: their sum (grpo: of each sequence's token mean) divided by
     loss_denominator, or by `denominator`, the whole batch's, when this is a part of it."""
-    if denominator is None:
-        denominator = loss_denominator(loss_mask, loss_type, max_completion_length)
+    if denominator is None:  # the batch is whole here; one that keeps no token sums to 0 and divides by 1
+        denominator = torch.as_tensor(loss_denominator(loss_mask, loss_type, max_completion_length)).clamp(min=1)
     if loss_type == "grpo":
         return ((per_token * loss_mask).sum(1) / loss_mask.sum(1).clamp(min=1)).sum() / denominator
     return (per_token * loss_mask).sum() / denominator
@@ -245,8 +258,6 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, loss_mask, *, beta=0.04, 
         def mean(x):  # over the tokens the loss counts
             return ((x * loss_mask).sum() / n).item()
 
-        def lowest_highest(x, none):  # over the tokens the loss counts (`none` where it counts none)
-            return (x[keep].min().item(), x[keep].max().item()) if keep.any() else (none, none)
         # tokens whose gradient the clip removed, below 1 - epsilon (A < 0) and above 1 + epsilon_high (A > 0);
         # cispo caps the weight of every token above 1 + epsilon_high, whatever its advantage
         high = ratio > 1 + epsilon_high
@@ -254,11 +265,10 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, loss_mask, *, beta=0.04, 
         clipped_high = high if loss_type == "cispo" else high & (A > 0)
         stats = {"kl": mean(kl), "clip_fraction": mean(clipped_low | clipped_high), "clip_low_frac": mean(clipped_low),
                  "clip_high_frac": mean(clipped_high), "ratio_mean": mean(ratio)}
-        stats["ratio_min"], stats["ratio_max"] = lowest_highest(ratio, 1.0)
-        if sampler_logps is not None:  # how far the sampler's numbers are from the trainer's (policy lag included)
-            gap = (old_logps - sampler_logps).abs()
-            stats.update(sampler_gap_mean=mean(gap), sampler_gap_max=lowest_highest(gap, 0.0)[1],
-                         is_weight_mean=mean(is_weight))
-            stats["is_weight_min"], stats["is_weight_max"] = lowest_highest(is_weight, 1.0)
-            stats["is_capped_frac"] = mean(is_weight >= tis_cap)  # tokens the cap holds (TIS's logged name)
+        if sampler_logps is not None:  # the gap itself: run/doctor.py's sampler_gap_details, over the whole batch
+            stats.update(is_weight_mean=mean(is_weight), is_capped_frac=mean(is_weight >= tis_cap))  # TIS's names
+        if keep.any():  # the extremes of the tokens the loss counts; rows that keep none have none
+            stats.update(ratio_min=ratio[keep].min().item(), ratio_max=ratio[keep].max().item())
+            if sampler_logps is not None:
+                stats.update(is_weight_min=is_weight[keep].min().item(), is_weight_max=is_weight[keep].max().item())
     return loss, stats

@@ -26,11 +26,13 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 from tqdm import tqdm
+from transformers import AutoTokenizer
 
 from grpo_math import completion_mask, is_truncated
 from simple_grpo.devices import max_over_ranks
 from simple_grpo.flags import flag, parse_flags
-from simple_grpo.generation.vllm_sampler import sample, start_vllm, stop_vllm
+from simple_grpo.generation.vllm_sampler import (check_context_length, generated_lengths, sample, start_vllm,
+                                                 stop_vllm)
 from simple_grpo.generation.weight_sync import WeightSender, WorkerSchedule
 from simple_grpo.generation.workers import (WorkerProgress, batch_worker, check_workers, local_world_size,
                                             resume_workers, start_workers, stop_workers, stream_id, take_local_group,
@@ -117,7 +119,8 @@ def gen_worker(cfg, run_id, ranks, worker, channels):
         batch_problems = schedule.draw_problems() + ask_again
         prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format, cfg.system_prompt) for p in batch_problems]
         prompt_rows, completion_ids, sampler_logps = sample(llm, prompts, cfg, stop_ids)  # Q x (P_q,); (Q*G, C) each
-        until_stop = completion_mask(completion_ids, stop_ids)  # (Q*G, C): 1 up to and including the first stop token
+        lengths = generated_lengths(sampler_logps)  # (Q*G,) tokens vLLM generated: padding after them
+        until_stop = completion_mask(completion_ids, stop_ids, lengths=lengths)  # (Q*G, C): 1 up to the stop token
         texts = tokenizer.batch_decode(completion_ids.masked_fill(until_stop == 0, tokenizer.pad_token_id),
                                        skip_special_tokens=True)  # each completion's text, up to its stop token
         gen_s = time.time() - t0
@@ -130,9 +133,11 @@ def gen_worker(cfg, run_id, ranks, worker, channels):
                                          estimator=cfg.advantage_estimator, eps=cfg.advantage_eps,
                                          correct=correct_rows(scores, reward_weights))  # raft: the correct ones
         generated += completion_ids.size(0)
-        truncated = is_truncated(completion_ids, stop_ids)  # (Q*G,): cut off at --max_new_tokens
+        truncated = is_truncated(completion_ids, stop_ids, lengths)  # (Q*G,): cut off with no stop token, at
+        context_cut = truncated & (lengths < cfg.max_new_tokens)   # --max_new_tokens or at the context's end
         rollout_figures = {**rollout_stats(rewards, scores, until_stop, has_signal, gen_s, truncated,
                                            pick_accuracy_reward(reward_weights)),
+                           "context_cut_frac": context_cut.float().mean().item(),
                            "weights_load_s": schedule.load_s, "generated": generated}  # for the trainer's log
         channels.status.put(("batch", {**batch_summary(rewards, scores, texts, has_signal), "posted": len(groups)}))
         if cfg.regroup:  # ask again the fresh questions whose answers differ though they all scored alike
@@ -158,7 +163,7 @@ def main(cfg: Config):
     if world > 1 and not uses_ref_server(cfg):
         raise SystemExit("several ranks take their batches from the ref server: use --beta > 0 (and with "
                          "--use_peft, --ref_url), or one rank")
-    load_data(cfg)
+    problems = load_data(cfg)
     show_plan(cfg)  # --plan prints it and stops here, before the run directory is looked at
     check_run_dir(cfg)  # a used runs/RUN_NAME/ needs --resume or --overwrite
     if uses_ref_server(cfg):
@@ -178,7 +183,8 @@ def main(cfg: Config):
     check_alive = lambda: check_workers(workers)  # noqa: E731 - stops the run, naming a worker that died
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on `kill` too
 
-    try:
+    try:  # while vLLM starts: does its context hold each prompt (and --max_new_tokens)?
+        check_context_length(cfg, problems, AutoTokenizer.from_pretrained(cfg.model))
         wait_for_vllm(workers, cfg)  # on a GPU it shares with vLLM, the trainer loads once vLLM is up
         engine, tokenizer = make_engine(cfg)
         if world > 1:  # every rank takes its batches under the run_id of the rank that started its worker
@@ -233,9 +239,11 @@ def main(cfg: Config):
                 draws[m["worker"]] = max(draws[m["worker"]], m["draws"])
 
             batch = collate(groups, tokenizer.pad_token_id)  # prompts (Q, P); completions, log-probs (Q*G, C)
-            # the tokens the loss counts, (Q*G, C): each completion up to its stop token (--mask_truncated_completions:
-            # none of one cut off at --max_new_tokens)
-            batch["loss_mask"] = completion_mask(batch["completion_ids"], stop_ids, cfg.mask_truncated_completions)
+            # the tokens the loss counts, (Q*G, C): each completion up to its stop token, never past what vLLM
+            # generated (--mask_truncated_completions: none of one cut off at --max_new_tokens or the context's end)
+            lengths = generated_lengths(batch["sampler_logps"])  # (Q*G,)
+            batch["loss_mask"] = completion_mask(batch["completion_ids"], stop_ids, cfg.mask_truncated_completions,
+                                                 lengths)
             t_ref = time.time()
             if cfg.beta != 0 and not uses_ref_server(cfg):  # LoRA: the base model, adapters off
                 batch["ref_logps"] = reference_logps(engine, batch, cfg)

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the main code, one level up
 from grpo_math import completion_mask, group_advantages  # noqa: E402
 from simple_grpo.flags import flag, parse_flags  # noqa: E402
-from simple_grpo.generation.vllm_sampler import NO_LOGP  # noqa: E402
+from simple_grpo.generation.vllm_sampler import NO_LOGP, generated_lengths  # noqa: E402
 from simple_grpo.logprobs import load_reference, sequence_logps  # noqa: E402
 from simple_grpo.protocol import ServerConfig, encode  # noqa: E402
 from simple_grpo.http_server import (add_token_check_and_health, answer, check_exposure,  # noqa: E402
@@ -104,7 +104,8 @@ class Pools:
         pool = self.pools.pop(key, None) or {"prompt_ids": tensors["prompt_ids"], "answers": []}
         pool["meta"] = meta  # the latest upload's: temperature, the generator's stats for the trainer's log
         self.pools[key] = pool  # now the most recently answered
-        lengths = completion_mask(tensors["completion_ids"], self.stop_ids).sum(1).long().tolist()
+        lengths = completion_mask(tensors["completion_ids"], self.stop_ids,
+                                  lengths=generated_lengths(tensors["sampler_logps"])).sum(1).long().tolist()
         for i, n in enumerate(lengths):
             pool["answers"].append((tensors["completion_ids"][i, :n].clone(), float(tensors["rewards"][i]),
                                     meta.get("policy_version", 0), tensors["sampler_logps"][i, :n].clone()))

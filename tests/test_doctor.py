@@ -109,6 +109,19 @@ def test_most_completions_cut_off(tmp_path):
     assert "--max_new_tokens 48" in warnings_in(path)[0]["message"]
 
 
+def test_completions_vllms_context_ended_are_named_at_once(tmp_path):
+    """A completion vLLM ended at --max_model_len (context_cut_frac, grpo_vllm_one's) is a setting's doing, not the
+    policy's: the truncated rule speaks at its first step, naming the context and each cause's share."""
+    from grpo_vllm_one import Config as VllmConfig
+    d = RunDoctor(VllmConfig(doctor_window=4, max_new_tokens=48, max_model_len=150), str(tmp_path / "metrics.jsonl"))
+    records = [healthy(1, truncated_frac=0.5, context_cut_frac=0.375)] + [healthy(s) for s in range(2, 4)]
+    assert run_steps(d, records) == ["truncated"]
+    message = warnings_in(tmp_path / "metrics.jsonl")[0]["message"]
+    print(message)
+    assert "50% of the completions of the last 1 step were cut off" in message
+    assert "12% at --max_new_tokens 48" in message and "38% at the end of vLLM's context, --max_model_len 150" in message
+
+
 def test_sampler_mismatch_and_ratio(tmp_path):
     d, path = doctor(tmp_path, doctor_window=3)
     assert run_steps(d, [healthy(s, sampler_gap_mean=0.4, sampler_gap_max=5.0) for s in range(1, 4)]) == ["mismatch"]

@@ -4,7 +4,8 @@ beside <|im_end|>, and the random-weight bench models Qwen's 151643). vLLM stops
 ids it is given; a mask that did not know them ran over the padding, trained the padded tail with the
 completion's advantage, and compared it with sampler log-probs of 0 (the 12-17 nat gaps of the first 7B run).
 The run doctor's mismatch rule names what it sees on the same batch: quiet when healthy, loud when the weights
-never reached vLLM or the stop sets disagree, and a token vLLM is sure of (log-prob 0.0) is not its padding.
+never reached vLLM, and a token vLLM is sure of (log-prob 0.0) is one outlier, not a mismatch. A batch whose
+requests vLLM ended at its context length (--max_model_len) trains none of its padding.
 
 The tiny model, copied with a generation config whose eos ids are [EOS, </think>]: every completion of the
 warm-started tiny model writes </think>, so each one ends there, long before --max_new_tokens."""
@@ -23,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grpo_math import completion_mask, grpo_loss, is_truncated
 from grpo_vllm_one import Config
 from simple_grpo.generation.hf_sampler import generate
+from simple_grpo.generation.vllm_sampler import check_context_length, generated_lengths
 from simple_grpo.logprobs import sequence_logps
 from simple_grpo.run.doctor import RunDoctor, sampler_gap_details
 from simple_grpo.task.problems import load_jsonl, make_prompt, stop_token_ids
@@ -147,15 +149,14 @@ def check_vllm_against_the_masks(model_dir, dtype, batch):
     assert ends_where_the_mask_ends(completion_ids, mask, stop_ids, tok.pad_token_id) > 0  # some at </think>
     logps = trainer_logps(cfg, prompt_rows, completion_ids, tok.pad_token_id)
     gap = ((logps - sampler_logps).abs() * mask)
-    # the mask the trainer made before: EOS and the turn end alone, past </think> over the padding, where vLLM gave
-    # no log-prob (NO_LOGP) and the trainer's are those of padding tokens
-    old_mask = completion_mask(completion_ids, stop_token_ids(AutoTokenizer.from_pretrained(TINY)))
-    old_gap = ((logps - sampler_logps).abs() * old_mask)
-    print(f"{dtype}: sampler gap mean {gap.sum().item() / mask.sum().item():.2e}, max {gap.max().item():.2e}; "
-          f"with the tokenizer's stop ids alone: mean {old_gap.sum().item() / old_mask.sum().item():.2e}, "
-          f"max {old_gap.max().item():.2e}")
+    print(f"{dtype}: sampler gap mean {gap.sum().item() / mask.sum().item():.2e}, max {gap.max().item():.2e}")
     assert gap.max().item() <= (1e-3 if dtype == "float32" else 0.1)
-    assert old_gap.max().item() > 1.0  # what the one stop set removes
+    # a mask from the tokenizer's stop ids alone runs past </think> over the padding, where vLLM generated nothing;
+    # bounded by what vLLM generated, it keeps exactly the tokens vLLM sampled (the rows ended at </think> whole)
+    eos_only, lengths = stop_token_ids(AutoTokenizer.from_pretrained(TINY)), generated_lengths(sampler_logps)
+    generated = torch.arange(completion_ids.size(1))[None, :] < lengths[:, None]
+    assert (completion_mask(completion_ids, eos_only).bool() & ~generated).any()
+    assert torch.equal(completion_mask(completion_ids, eos_only, lengths=lengths).bool(), generated)
 
 
 def test_vllm_completions_end_where_the_masks_end_them_and_match_the_trainer_in_bf16(model_dir, bf16):
@@ -167,14 +168,76 @@ def test_vllm_completions_end_where_the_masks_end_them_and_match_the_trainer_in_
     check_vllm_against_the_masks(model_dir, "float32", sampled(model_dir, "float32", tmp_path))
 
 
+# ---------------------------------------------------------------------------- completions ended by vLLM's context
+CONTEXT = 150  # the tiny world's prompts are 109-146 tokens: with 48 new tokens most requests reach it
+
+
+@pytest.fixture(scope="module")
+def context_cut(tmp_path_factory):
+    """vLLM's completions of 4 prompts x 4 in float32 with --max_model_len CONTEXT: many end at the context's end,
+    with finish reason "length" and no stop token, short of --max_new_tokens."""
+    out = str(tmp_path_factory.mktemp("context") / "sampled.safetensors")
+    flags = {"model": TINY, "dataset": DATA, "dtype": "float32", "batch_prompts": 4, "num_generations": 4,
+             "max_new_tokens": 48, "max_model_len": CONTEXT}
+    done = subprocess.run([sys.executable, "-c", SAMPLE, json.dumps(flags), out], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with safe_open(out, "pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    return Config(**flags), [tensors[f"prompt_{i}"] for i in range(4)], tensors["completion_ids"], tensors["sampler_logps"]
+
+
+def test_completions_that_vllms_context_ended_are_truncated_and_train_no_padding(context_cut):
+    cfg, prompt_rows, completion_ids, sampler_logps = context_cut
+    tok = AutoTokenizer.from_pretrained(TINY)
+    stop_ids, lengths = stop_token_ids(tok), generated_lengths(sampler_logps)
+    room = torch.tensor([CONTEXT - len(row) for row in prompt_rows]).repeat_interleave(4)  # (Q*G,)
+    truncated = is_truncated(completion_ids, stop_ids, lengths)
+    cut = truncated & (lengths < cfg.max_new_tokens)
+    print(f"{int(cut.sum())} of {len(lengths)} completions ended by the context; room {room.tolist()}, "
+          f"generated {lengths.tolist()}")
+    assert cut.any() and torch.equal(lengths[cut], room[cut])  # each ended exactly at the context's end
+    assert (lengths <= room).all()
+    mask = completion_mask(completion_ids, stop_ids, lengths=lengths)
+    assert torch.equal(mask.sum(1).long()[truncated], lengths[truncated])  # every generated token, none past them
+    assert not completion_mask(completion_ids, stop_ids, True, lengths)[truncated].any()  # --mask_truncated_completions
+    # the trainer's log-probs of those tokens are vLLM's (float32): no marker, no padding among the kept tokens
+    logps = trainer_logps(cfg, prompt_rows, completion_ids, tok.pad_token_id)
+    _, stats = grpo_loss(logps, logps, None, torch.randn(len(lengths)), mask, beta=0.0, sampler_logps=sampler_logps)
+    gaps = sampler_gap_details(completion_ids, mask, logps, sampler_logps)
+    print({k: round(v, 6) for k, v in {**stats, **gaps}.items()})
+    assert gaps["sampler_gap_max"] <= 1e-3 and 0.99 <= stats["is_weight_min"] <= stats["is_weight_max"] <= 1.01
+    # the mask made before: by the stop set alone, a cut row kept its padding (<|endoftext|>, vLLM's NO_LOGP)
+    before = completion_mask(completion_ids, stop_ids)
+    assert (before.bool() & ~mask.bool()).any()
+
+
+def test_the_start_names_the_prompts_vllms_context_cannot_hold(context_cut, capsys):
+    """check_context_length counts each prompt's tokens as vLLM did; it says how many leave less room than
+    --max_new_tokens, and refuses where a prompt alone fills the context."""
+    cfg, prompt_rows, _, _ = context_cut
+    tok = AutoTokenizer.from_pretrained(TINY)
+    problems = load_jsonl(DATA)[:4]
+    lengths = [len(row) for row in prompt_rows]  # vLLM's prompt_token_ids
+    check_context_length(cfg, problems, tok)
+    short = sum(n + cfg.max_new_tokens > CONTEXT for n in lengths)
+    said = capsys.readouterr().out
+    assert short > 0 and (f"note: {short} of the 4 prompts of {DATA} are longer than --max_model_len {CONTEXT} - "
+                          f"--max_new_tokens 48 = {CONTEXT - 48} tokens (the longest {max(lengths)})") in said
+    check_context_length(dataclasses.replace(cfg, max_model_len=max(lengths) + 48), problems, tok)
+    assert capsys.readouterr().out == ""
+    full = sum(n >= min(lengths) + 1 for n in lengths)
+    with pytest.raises(SystemExit, match=f"{full} of the 4 prompts .* are {min(lengths) + 1} tokens or longer "
+                                         f"\\(the longest {max(lengths)}\\)"):
+        check_context_length(dataclasses.replace(cfg, max_model_len=min(lengths) + 1), problems, tok)
+
+
 # ---------------------------------------------------------------------------- the run doctor's mismatch rule
 def doctor_verdict(tmp_path, cfg, completion_ids, mask, logps, sampler_logps, advantages):
-    """The record grpo_vllm_one logs for this batch (grpo_loss's gap figures with --tis_cap, grpo_update's
-    sampler_gap_details) and what the run doctor says of it: the mismatch message, or None."""
+    """The record grpo_vllm_one logs for this batch (grpo_loss's TIS figures, grpo_update's sampler_gap_details) and
+    what the run doctor says of it: the mismatch message, or None."""
     _, stats = grpo_loss(logps, logps, None, advantages, mask, beta=0.0, sampler_logps=sampler_logps)
-    record = {"step": 1, **stats}
-    for key, value in sampler_gap_details(completion_ids, mask, logps, sampler_logps).items():
-        record.setdefault(key, value)
+    record = {"step": 1, **stats, **sampler_gap_details(completion_ids, mask, logps, sampler_logps)}
     doctor = RunDoctor(dataclasses.replace(cfg, doctor_window=1), str(tmp_path / "metrics.jsonl"))
     doctor.step(record)
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines() if (tmp_path / "metrics.jsonl").exists() else []
@@ -190,7 +253,7 @@ def test_the_doctor_stays_quiet_on_a_healthy_bf16_batch(tmp_path, model_dir, bf1
     record, message = doctor_verdict(tmp_path, cfg, completion_ids, mask, logps, sampler_logps,
                                      torch.randn(completion_ids.size(0)))
     assert message is None, message
-    assert record["sampler_gap_rows"] == record["sampler_gap_unreported"] == 0
+    assert record["sampler_gap_rows"] == 0
 
 
 def test_the_doctor_names_weights_that_did_not_reach_vllm(tmp_path, model_dir, bf16):
@@ -200,51 +263,13 @@ def test_the_doctor_names_weights_that_did_not_reach_vllm(tmp_path, model_dir, b
     record, message = doctor_verdict(tmp_path, cfg, completion_ids, mask, logps, sampler_logps,
                                      torch.randn(completion_ids.size(0)))
     print(message)
-    assert message is not None and record["sampler_gap_rows"] > 0 and record["sampler_gap_unreported"] == 0
+    assert message is not None and record["sampler_gap_rows"] > 0
     assert f"this step {record['sampler_gap_rows']} completions hold a token off by more than 1 nat" in message
     assert f"the largest at token id {record['sampler_gap_token']}" in message
     assert "weights reach vLLM" in message and "stop-set" not in message
 
 
-def past_vllms_end(tok, cfg, completion_ids):
-    """The trainer's masks built from the tokenizer's EOS alone, and the kept tokens past where vLLM ended a
-    completion (at </think>): tokens vLLM never sampled. (B, C) each."""
-    mask = completion_mask(completion_ids, [tok.eos_token_id])
-    vllms = completion_mask(completion_ids, stop_token_ids(tok, cfg.prompt_format, cfg.model))
-    return mask, mask.bool() & ~vllms.bool()
-
-
-def test_the_doctor_names_a_stop_set_disagreement(tmp_path, model_dir, bf16):
-    """The trainer's masks built from the tokenizer's EOS alone, vLLM's completions ended at </think> too: the
-    masks run over vLLM's padding, where it reported no log-prob."""
-    cfg, tok, prompt_rows, completion_ids, sampler_logps, _ = bf16
-    mask, past = past_vllms_end(tok, cfg, completion_ids)
-    assert past.any() and (sampler_logps[past] > 0).all()  # vLLM's padding: a value no log-prob can be
-    logps = trainer_logps(cfg, prompt_rows, completion_ids, tok.pad_token_id)
-    record, message = doctor_verdict(tmp_path, cfg, completion_ids, mask, logps, sampler_logps,
-                                     torch.randn(completion_ids.size(0)))
-    print(message)
-    assert message is not None and record["sampler_gap_unreported"] == int(past.sum())
-    assert record["sampler_gap_sampler_logp"] <= 0  # the largest gap is one between two log-probs
-    assert f"{record['sampler_gap_unreported']} kept tokens have no vLLM log-prob" in message
-    assert "stop-set disagreement" in message
-
-
-def test_a_kept_token_vllm_never_sampled_is_a_stop_set_disagreement_whatever_the_trainer_gives_it(
-        tmp_path, model_dir, bf16):
-    """A model may well be sure of the token after a stop (an <|endoftext|> after Qwen's <|im_end|>): the kept
-    tokens past vLLM's end are named with the trainer's log-probs of them near 0 too."""
-    cfg, tok, prompt_rows, completion_ids, sampler_logps, _ = bf16
-    mask, past = past_vllms_end(tok, cfg, completion_ids)
-    logps = trainer_logps(cfg, prompt_rows, completion_ids, tok.pad_token_id).masked_fill(past, -0.5)
-    record, message = doctor_verdict(tmp_path, cfg, completion_ids, mask, logps, sampler_logps,
-                                     torch.randn(completion_ids.size(0)))
-    print(message)
-    assert message is not None and record["sampler_gap_unreported"] == int(past.sum())
-    assert "stop-set disagreement" in message
-
-
-def test_a_token_vllm_is_sure_of_is_no_stop_set_disagreement(tmp_path, model_dir, bf16):
+def test_a_token_vllm_is_sure_of_is_one_outlier_token_not_a_mismatch(tmp_path, model_dir, bf16):
     """vLLM reports a log-prob of exactly 0.0 for a token it is sure of (bf16 rounding): a log-prob, not its
     padding. One such token that the trainer gives less than e^-1 is one outlier token, not a stop-set
     disagreement: the doctor stays quiet (the batch's mean gap is small)."""
@@ -258,7 +283,6 @@ def test_a_token_vllm_is_sure_of_is_no_stop_set_disagreement(tmp_path, model_dir
     logps[row, pos] = -1.5  # the trainer's log-prob of that token, below -1
     record, message = doctor_verdict(tmp_path, cfg, completion_ids, mask, logps, sampler_logps,
                                      torch.randn(completion_ids.size(0)))
-    assert record["sampler_gap_unreported"] == 0, message
     assert record["sampler_gap_rows"] == 1 and record["sampler_gap_pos"] == pos
     assert record["sampler_gap_sampler_logp"] == 0.0 and record["sampler_gap_trainer_logp"] == -1.5
     assert message is None, message

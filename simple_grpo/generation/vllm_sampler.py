@@ -5,12 +5,38 @@ import os
 import torch
 
 from simple_grpo.devices import vllm_memory_share
-from simple_grpo.task.problems import stop_token_ids
+from simple_grpo.task.problems import make_prompt, stop_token_ids
 
 
 CPU_BLOCK_SIZE = 32  # tokens per KV-cache block on a CPU (vLLM's default: 128): G completions share whole blocks
 # sampler_logps past a completion's end: not 0, a log-prob vLLM gives a sure token; finite, so times a mask it is 0
 NO_LOGP = 1.0
+
+
+def generated_lengths(sampler_logps):
+    """(Q*G,) the tokens vLLM generated in each completion: its log-probs (<= 0) end there, NO_LOGP after. The masks
+    keep nothing past them (grpo_math.completion_mask's lengths), whatever token pads the row."""
+    return (sampler_logps != NO_LOGP).sum(1)
+
+
+def check_context_length(cfg, problems, tokenizer):
+    """Before vLLM starts: stop where a prompt of the data alone fills vLLM's context (--max_model_len; vLLM refuses
+    such a request and the worker would die on it), and say how many prompts leave less room than --max_new_tokens
+    (vLLM ends those completions at the context's end: truncated, counted in metrics.jsonl as context_cut_frac)."""
+    prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format, cfg.system_prompt) for p in problems]
+    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"]]  # as vLLM tokenizes
+    longest, context = max(lengths), cfg.max_model_len
+    if (full := sum(n >= context for n in lengths)):
+        raise SystemExit(f"{full} of the {len(lengths)} prompts of {cfg.dataset} are {context} tokens or longer "
+                         f"(the longest {longest}): vLLM's context, --max_model_len {context}, has no room for a "
+                         f"completion. Raise --max_model_len to {longest + cfg.max_new_tokens} (the longest prompt + "
+                         f"--max_new_tokens), or leave those problems out")
+    if (short := sum(n + cfg.max_new_tokens > context for n in lengths)):
+        print(f"note: {short} of the {len(lengths)} prompts of {cfg.dataset} are longer than --max_model_len {context} "
+              f"- --max_new_tokens {cfg.max_new_tokens} = {context - cfg.max_new_tokens} tokens (the longest "
+              f"{longest}): vLLM ends their completions at the context's end, cut off like those that reach "
+              f"--max_new_tokens (context_cut_frac in metrics.jsonl; --mask_truncated_completions trains none of "
+              f"them). --max_model_len {longest + cfg.max_new_tokens} holds every prompt and --max_new_tokens")
 
 
 def quiet_vllm():

@@ -10,6 +10,7 @@ import torch
 
 from simple_grpo.run.disk_guard import append_lines
 from grpo_math import completion_mask
+from simple_grpo.generation.vllm_sampler import generated_lengths
 
 REQUIRED_KEYS = ("prompt", "completion", "reward")
 PER_TOKEN_KEYS = ("logps", "sampler_logps", "ratio")
@@ -111,7 +112,8 @@ def log_batch_completions(run_dir, step, tokenizer, batch, scores, stop_ids, log
     logps = logps.float().cpu()
     sampler = batch["sampler_logps"].float().cpu() if "sampler_logps" in batch else None
     rows = completion_rows(tokenizer, prompts, batch["completion_ids"].cpu(),
-                           completion_mask(batch["completion_ids"].cpu(), stop_ids), scores,
+                           completion_mask(batch["completion_ids"].cpu(), stop_ids,
+                                           lengths=None if sampler is None else generated_lengths(sampler)), scores,
                            batch["advantages"].cpu(), G, logps=logps, sampler_logps=sampler,
                            ratio=None if sampler is None else torch.exp(logps - sampler), groups=groups)
     log_completions(os.path.join(run_dir, "completions.jsonl"), step, rows)

@@ -6,7 +6,6 @@ from collections import Counter
 
 from tqdm import tqdm
 
-from simple_grpo.generation.vllm_sampler import NO_LOGP
 from simple_grpo.run.disk_guard import append_lines
 from simple_grpo.run.metrics import is_number
 
@@ -15,17 +14,20 @@ GAP_OUTLIER = 1.0  # nats: a token whose sampler and trainer log-probs differ by
 
 
 def sampler_gap_details(completion_ids, loss_mask, trainer_logps, sampler_logps):
-    """The mismatch rule's figures over one batch's kept tokens (each argument (Q*G, C)): the gap between vLLM's and
-    the trainer's log-probs, and the kept tokens vLLM gave none for (NO_LOGP, its padding)."""
+    """The gap between vLLM's and the trainer's log-probs over one batch's kept tokens (each argument (Q*G, C)): its
+    mean and largest, the completions holding a token off by more than GAP_OUTLIER, and the largest's token. The
+    masks keep only tokens vLLM generated (grpo_math.completion_mask's lengths), so each kept one has its log-prob;
+    a batch that keeps none has no largest gap."""
     kept = loss_mask.bool()
-    unreported = kept & (sampler_logps == NO_LOGP)
-    gap = ((trainer_logps - sampler_logps).abs()).masked_fill(~kept | unreported, 0.0)
-    row, pos = divmod(int(gap.argmax()), gap.size(1))
-    return {"sampler_gap_mean": float(gap.sum() / kept.sum().clamp(min=1)), "sampler_gap_max": float(gap.max()),
-            "sampler_gap_rows": int((gap > GAP_OUTLIER).any(1).sum()), "sampler_gap_unreported": int(unreported.sum()),
-            "sampler_gap_token": int(completion_ids[row, pos]), "sampler_gap_pos": pos,
-            "sampler_gap_sampler_logp": float(sampler_logps[row, pos]),
-            "sampler_gap_trainer_logp": float(trainer_logps[row, pos])}
+    gap = ((trainer_logps - sampler_logps).abs()).masked_fill(~kept, 0.0)
+    details = {"sampler_gap_mean": float(gap.sum() / kept.sum().clamp(min=1)),
+               "sampler_gap_rows": int((gap > GAP_OUTLIER).any(1).sum())}
+    if kept.any():
+        row, pos = divmod(int(gap.argmax()), gap.size(1))
+        details.update(sampler_gap_max=float(gap.max()), sampler_gap_token=int(completion_ids[row, pos]),
+                       sampler_gap_pos=pos, sampler_gap_sampler_logp=float(sampler_logps[row, pos]),
+                       sampler_gap_trainer_logp=float(trainer_logps[row, pos]))
+    return details
 
 
 def parse_stop_on(text):
@@ -99,10 +101,13 @@ class RunDoctor:
         collapsing = len(entropies) >= 2 * window and now < cfg.doctor_entropy_drop * start
         stops.append(self.report("entropy", collapsing, step, lambda: self.entropy_message(start, now)))
         cut = mean([r.get("truncated_frac", 0.0) for r in recent])
-        stops.append(self.report("truncated", len(recent) == window and cut > cfg.doctor_truncated_max, step,
-                                 lambda: self.truncated_message(cut)))
+        context_cut = mean([r.get("context_cut_frac", 0.0) for r in recent])  # grpo_vllm_one's: ended by vLLM's context
+        # too many cut off over the window; any cut by the context at once (a setting causes it, not the policy)
+        too_many = len(recent) == window and cut > cfg.doctor_truncated_max
+        stops.append(self.report("truncated", too_many or context_cut > 0, step,
+                                 lambda: self.truncated_message(cut, context_cut, len(recent))))
         gaps = [r["sampler_gap_mean"] for r in recent if "sampler_gap_mean" in r]
-        mismatch = bool(gaps) and mean(gaps) > cfg.doctor_gap_max or record.get("sampler_gap_unreported", 0) > 0
+        mismatch = bool(gaps) and mean(gaps) > cfg.doctor_gap_max
         stops.append(self.report("mismatch", mismatch, step, lambda: self.mismatch_message(record, gaps)))
         if is_number(record.get("ratio_mean", 1.0)):
             ratios = [r.get("ratio_mean", 1.0) for r in recent if is_number(r.get("ratio_mean", 1.0))]
@@ -116,11 +121,18 @@ class RunDoctor:
                 "and groups turn all-alike. Try a lower --lr, a higher --beta or --temperature, or clip-higher "
                 "(--epsilon_high 0.28)")
 
-    def truncated_message(self, cut):
-        return (f"{cut:.0%} of the completions of the last {self.cfg.doctor_window} steps hit --max_new_tokens "
-                f"{self.cfg.max_new_tokens} without a stop token: their answers are cut off and scored unfinished. "
-                "Raise --max_new_tokens, or reward shorter answers; --mask_truncated_completions keeps them out of "
-                "the loss")
+    def truncated_message(self, cut, context_cut, steps):
+        cfg = self.cfg
+        text = (f"{cut:.0%} of the completions of the last {steps} step{'s' if steps > 1 else ''} were cut off "
+                "without a stop token, their answers scored unfinished")
+        if cut - context_cut > 1e-9:
+            text += (f"; {cut - context_cut:.0%} at --max_new_tokens {cfg.max_new_tokens} (raise it, or reward "
+                     "shorter answers)")
+        if context_cut > 0:
+            text += (f"; {context_cut:.0%} at the end of vLLM's context, --max_model_len {cfg.max_model_len} tokens "
+                     "of prompt and completion, before --max_new_tokens (raise --max_model_len: the run's start said "
+                     "which prompts leave too little room)")
+        return text + ". --mask_truncated_completions keeps cut-off completions out of the loss"
 
     def ratio_message(self, record, ratios):
         return (f"the importance ratio pi/pi_old averaged {mean(ratios):.3g} over the last {len(ratios)} updates "
@@ -133,17 +145,11 @@ class RunDoctor:
         outlier token and its largest gap (token id, vLLM's and the trainer's log-probs), and the likely cause."""
         text = (f"vLLM's log-probs differ from the trainer's by {mean(gaps):.3g} per token on average over the last "
                 f"{len(gaps)} step{'s' if len(gaps) > 1 else ''} (this step's largest {record.get('sampler_gap_max', 0.0):.3g})")
-        unreported = record.get("sampler_gap_unreported", 0)
-        if "sampler_gap_rows" in record and (record["sampler_gap_rows"] or not unreported):
+        if record.get("sampler_gap_rows"):
             text += (f"; this step {record['sampler_gap_rows']} completions hold a token off by more than "
                      f"{GAP_OUTLIER:g} nat, the largest at token id {record['sampler_gap_token']} (position "
                      f"{record['sampler_gap_pos']}): vLLM {record['sampler_gap_sampler_logp']:.3g}, trainer "
                      f"{record['sampler_gap_trainer_logp']:.3g}")
-        if unreported:
-            return text + (f". {unreported} kept tokens have no vLLM log-prob (its padding): the trainer's masks "
-                           "run past where vLLM stopped, a stop-set disagreement. vLLM stops at the tokenizer's EOS "
-                           "and the generation config's eos ids too; the worker and the trainer must both take "
-                           "stop_token_ids(tokenizer, prompt_format, model)")
         return text + (": the sampler is not running the policy the trainer trains. Check that both use the same "
                        "--dtype and that weights reach vLLM (weights_load_s in metrics.jsonl); lower --max_policy_lag; "
                        "keep --tis_cap on")

@@ -67,7 +67,7 @@ AT_LARGEST_GAP = ("sampler_gap_token", "sampler_gap_pos", "sampler_gap_sampler_l
 def add_part_stats(stats, part, share=1):
     """Fold one part's diagnostics (a micro-batch's, or a rank's) into `stats`: *_max and *_min keep the extremes,
     AT_LARGEST_GAP comes from the part with the largest gap, the rest add up, weighted by `share`."""
-    larger_gap = part.get("sampler_gap_max", 0.0) > stats.get("sampler_gap_max", -math.inf)
+    larger_gap = part.get("sampler_gap_max", -math.inf) > stats.get("sampler_gap_max", -math.inf)  # none: no token
     for key, value in part.items():
         if key.endswith("_max"):
             stats[key] = max(stats.get(key, value), value)

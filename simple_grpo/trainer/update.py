@@ -79,7 +79,8 @@ def grpo_update(engine, batch, cfg):
     world = engine.dp_world_size
     denominator, tokens = sum_over_ranks(loss_denominator(loss_mask, cfg.loss_type, cfg.max_new_tokens),
                                          loss_mask.sum())
-    denominator, tokens = denominator / world, max(tokens, 1.0)  # tokens: the stats' weights (masking can leave 0)
+    # clamped once summed: a rank that keeps no token (masking) adds 0 to the count, not 1
+    denominator, tokens = max(denominator, 1.0) / world, max(tokens, 1.0)  # tokens: the stats' weights
     sampler_logps = batch.get("sampler_logps")  # (Q*G, C) vLLM's; None where the trainer's own policy sampled
     tis_cap = cfg.tis_cap if sampler_logps is not None else 0.0
     sampler_is_pi_old = sampler_logps is not None and tis_cap == 0
@@ -114,11 +115,10 @@ def grpo_update(engine, batch, cfg):
         skipped += not stepped
     # this rank's shares of the batch's loss and token means, and its counts; stats_over_ranks adds them up
     stats.update(loss=loss, entropy=entropy / tokens, tokens=int(loss_mask.sum()))
-    if sampler_logps is not None:  # where vLLM and the trainer disagree (grpo_loss's mean and max where TIS is on)
+    if sampler_logps is not None:  # where vLLM and pi_old disagree (policy lag included), over the kept tokens
         gaps = sampler_gap_details(batch["completion_ids"], loss_mask, old_logps, sampler_logps)
         gaps["sampler_gap_mean"] *= loss_mask.sum().item() / tokens  # this rank's share of the token mean
-        for key, value in gaps.items():
-            stats.setdefault(key, value)
+        stats.update(gaps)
     stats = stats_over_ranks(stats)  # the whole batch's, the same on every rank
     stats.update(step_stats(engine, norm, skipped, cfg.num_iterations))
     return stats, torch.cat(new_logps)
