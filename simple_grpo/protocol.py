@@ -153,11 +153,17 @@ def reference_logps_from_server(cfg, run_id, prompt_ids, prompt_mask, completion
 
 # ---------------------------------------------------------------------------- which model the server holds
 def model_fingerprint(model):
-    """{tensor name: hash of its shape and first, middle, last rows in bfloat16} of a model's safetensors files."""
+    """{"token_table": hash of the tokenizer's token -> id table, "config": the config's fields, "weights": {tensor
+    name: hash of its shape and first, middle, last rows in bfloat16} of its safetensors files ({} if none)}."""
     from huggingface_hub import snapshot_download
+    from transformers import AutoConfig, AutoTokenizer
+    vocab = sorted(AutoTokenizer.from_pretrained(model).get_vocab().items())
+    config = AutoConfig.from_pretrained(model).to_dict()
+    for field in ("dtype", "torch_dtype", "transformers_version", "_name_or_path", "use_cache"):
+        config.pop(field, None)  # may differ between copies of one model: storage dtype, saver, path, a runtime switch
     directory = model if os.path.isdir(model) else snapshot_download(model, allow_patterns=["*.safetensors"])
     sums = {}
-    for path in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
+    for path in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):  # pickled weights are never opened
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 tensor, shape = f.get_slice(name), f.get_slice(name).get_shape()
@@ -165,12 +171,29 @@ def model_fingerprint(model):
                     else [f.get_tensor(name)]
                 sample = torch.cat([row.reshape(-1) for row in rows]).to(torch.bfloat16).view(torch.int16)
                 sums[name] = hashlib.sha256(str(shape).encode() + sample.numpy().tobytes()).hexdigest()[:16]
-    return sums
+    return {"token_table": hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16],
+            "config": json.loads(json.dumps(config, default=str)),  # as /health sends it: int keys become strings
+            "weights": sums}
 
 
 def differences(ours, theirs):
-    """The tensors two fingerprints disagree on: a checksum differs, or only one of them has the tensor."""
-    return sorted(name for name in ours.keys() | theirs.keys() if ours.get(name) != theirs.get(name))
+    """What two fingerprints disagree on, in words: the token table, the config's fields, the weights (tensors
+    whose checksum differs or that only one of them has; without safetensors files they cannot be compared)."""
+    found = ["the token table differs"] if ours["token_table"] != theirs["token_table"] else []
+    fields = sorted(key for key in ours["config"].keys() | theirs["config"].keys()
+                    if ours["config"].get(key) != theirs["config"].get(key))
+    if fields:
+        found.append(f"the model config differs (fields {', '.join(fields)})")
+    unread = [who for who, fingerprint in (("this run's model", ours), ("the server's model", theirs))
+              if not fingerprint["weights"]]
+    if unread:
+        return found + [f"the weights cannot be compared: no safetensors files in {' or '.join(unread)} (pickled "
+                        "weights are not opened; save_pretrained writes safetensors)"]
+    names = ours["weights"].keys() | theirs["weights"].keys()
+    if changed := sorted(name for name in names if ours["weights"].get(name) != theirs["weights"].get(name)):
+        found.append(f"{len(changed)} of the {len(names)} tensors compared differ "
+                     f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})")
+    return found
 
 
 def check_reference(cfg):
@@ -182,15 +205,10 @@ def check_reference(cfg):
     theirs = health.get("fingerprint")
     if cfg.beta == 0 or theirs is None:  # no KL term, or a server that does not say what it serves
         return
-    ours = model_fingerprint(cfg.model)
-    if not ours or not theirs:
-        print(f"note: cannot check that the ref server serves {cfg.model}: no safetensors weights to compare")
-        return
-    if not (differ := differences(ours, theirs)):
+    if not (differ := differences(model_fingerprint(cfg.model), theirs)):
         return
     what = (f"the ref server at {cfg.ref_url} serves {health.get('model')}, but this run starts from {cfg.model}: "
-            f"{len(differ)} of the {len(ours.keys() | theirs.keys())} tensors compared differ "
-            f"({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''})")
+            + "; ".join(differ))
     if cfg.ref_model_differs_ok:
         print(f"note: {what} (--ref_model_differs_ok: going on)")
         return

@@ -79,7 +79,7 @@ def test_the_ref_server_defaults_to_the_gpu_in_bf16_and_its_fingerprint_is_check
     with pytest.raises(SystemExit, match="starts from"):
         check_reference(Config(ref_url=server, model=models["perturbed"]))
     gpu_summary(f"ref server: {health['model']} on {health['device']} (GPU {health['gpu']}) in {health['dtype']}, "
-                f"fingerprint of {len(health['fingerprint'])} tensors checked, another model refused")
+                f"fingerprint of {len(health['fingerprint']['weights'])} tensors checked, another model refused")
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])

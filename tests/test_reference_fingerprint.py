@@ -1,6 +1,8 @@
 """The reference server's defaults and its fingerprint: on a CPU it serves in fp32 (on a GPU in bf16), and a
-trainer refuses a server whose model is not its own (another checkpoint, another vocabulary), naming both,
-unless --ref_model_differs_ok. Live servers on loopback; the other models are made from models/tiny-math."""
+trainer refuses a server whose model is not its own (another checkpoint, another vocabulary, another token table
+or config with the same weights, weights that cannot be fingerprinted), naming both and what differs, unless
+--ref_model_differs_ok. Live servers on loopback; the other models are made from models/tiny-math."""
+import json
 import os
 import shutil
 import subprocess
@@ -9,6 +11,7 @@ import sys
 import pytest
 import requests
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_train import Config
@@ -61,8 +64,11 @@ def test_a_checkpoint_and_its_bf16_copy_have_one_fingerprint(models):
 
 def test_other_weights_and_another_vocabulary_give_other_fingerprints(models):
     ours = model_fingerprint(TINY)
-    assert differences(ours, model_fingerprint(models["perturbed"])) == ["model.layers.0.self_attn.q_proj.weight"]
-    assert "model.embed_tokens.weight" in differences(ours, model_fingerprint(models["bigger_vocab"]))
+    assert differences(ours, model_fingerprint(models["perturbed"])) == [
+        "1 of the 50 tensors compared differ (model.layers.0.self_attn.q_proj.weight)"]
+    token_table, config, weights = differences(ours, model_fingerprint(models["bigger_vocab"]))
+    assert (token_table, config) == ("the token table differs", "the model config differs (fields vocab_size)")
+    assert "tensors compared differ (model.embed_tokens.weight" in weights
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +124,57 @@ def test_lora_with_its_own_base_as_the_reference_never_asks_a_server(perturbed_s
     check_options(lora_with_server)
     with pytest.raises(SystemExit, match="starts from models/tiny-math"):  # the base is compared, as it should be
         check_reference(lora_with_server)
+
+
+@pytest.fixture(scope="module")
+def copies(tmp_path_factory):
+    """Copies of the tiny model's files, the weights untouched: {"same": as they are, "token_table": two tokens' ids
+    swapped in tokenizer.json, "config": config.json's rope_theta and max_position_embeddings changed, "bin_only":
+    the weights in pytorch_model.bin instead of model.safetensors}: directories."""
+    root, made = tmp_path_factory.mktemp("copies"), {}
+    for name in ("same", "token_table", "config", "bin_only"):
+        made[name] = str(shutil.copytree(TINY, root / name))
+    path = os.path.join(made["token_table"], "tokenizer.json")
+    tokenizer = json.load(open(path))
+    vocab = tokenizer["model"]["vocab"]
+    vocab["0"], vocab["1"] = vocab["1"], vocab["0"]
+    json.dump(tokenizer, open(path, "w"))
+    path = os.path.join(made["config"], "config.json")
+    config = json.load(open(path))
+    config["rope_parameters"]["rope_theta"], config["max_position_embeddings"] = 500000.0, 1024
+    json.dump(config, open(path, "w"))
+    weights = os.path.join(made["bin_only"], "model.safetensors")
+    torch.save(load_file(weights), os.path.join(made["bin_only"], "pytorch_model.bin"))
+    os.remove(weights)
+    return made
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    """ref_server.py serving models/tiny-math: the trainer's --model is what each test varies."""
+    port, log = free_port(), tmp_path_factory.mktemp("log") / "server.out"
+    with open(log, "w") as out:
+        proc = start_ref_server(port, dict(os.environ), "--model", TINY, stdout=out)
+    yield f"http://127.0.0.1:{port}"
+    stop(proc)
+
+
+def test_a_copy_with_the_same_files_passes(tiny_server, copies):
+    check_reference(Config(ref_url=tiny_server, model=copies["same"]))
+
+
+def test_the_same_weights_with_another_token_table_are_refused_naming_it(tiny_server, copies):
+    with pytest.raises(SystemExit, match=r"token_table: the token table differs\. .*--ref_model_differs_ok"):
+        check_reference(Config(ref_url=tiny_server, model=copies["token_table"]))
+
+
+def test_the_same_weights_with_another_config_are_refused_naming_its_fields(tiny_server, copies):
+    fields = r"\(fields max_position_embeddings, rope_parameters\)"
+    with pytest.raises(SystemExit, match=r"config: the model config differs " + fields + r"\. "):
+        check_reference(Config(ref_url=tiny_server, model=copies["config"]))
+
+
+def test_weights_that_cannot_be_fingerprinted_are_refused_saying_so(tiny_server, copies):
+    cause = r"the weights cannot be compared: no safetensors files in this run's model"
+    with pytest.raises(SystemExit, match=r"bin_only: " + cause):
+        check_reference(Config(ref_url=tiny_server, model=copies["bin_only"]))
