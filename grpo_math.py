@@ -16,7 +16,8 @@ grpo_vllm_one.py vLLM sampled, with older weights (--max_policy_lag) and other k
 corrects for that. With --tis_cap 0 there is no w_t, and vLLM's log-probs are old_logp.
 
 grpo_objective, first below, is that loss in a dozen lines, for reading. grpo_loss, last, computes the
-same number with the variants of the papers that followed as options (names as in TRL's GRPOConfig).
+same number with the variants of the papers that followed as options (names as in TRL's GRPOConfig; each
+loss type divides by a count over the whole batch, where TRL's bnpo divides each micro-batch by its own).
 Shapes: Q prompts, G completions per prompt, B = Q*G rows (the G completions of a prompt one after
 another), P prompt tokens, C completion tokens, V the vocabulary.
 """

@@ -3,6 +3,9 @@ DeepSpeed, the plan), on the tiny model's shape and a small batch; its JSON obje
 things it counts with: the update's phases (simple_grpo/run/phase_timer.py's timed_update: grpo_update's stats and its phases) and the
 hardware FLOPs it divides by their seconds (hardware_flops, checked against torch's FLOP counter)."""
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -58,22 +61,35 @@ def test_the_updates_phases_add_up_to_its_seconds_and_recompute_is_checkpointing
     assert not {"backward", "step", "set_gradient_accumulation_boundary"} & set(vars(engine))
 
 
-def test_an_update_is_untimed_by_default_no_hook_no_wait_no_phase_in_its_stats(monkeypatch):
-    """Without --time_phases the update puts no hook on the model and never waits for the device: phase_timer's
-    synchronized_time is not called once, and no phase's seconds are logged."""
-    import simple_grpo.run.phase_timer as phase_timer
-    cfg, engine, eos, batch = tiny_update(beta=0.0, gradient_checkpointing=True)
-    waits, added = [], []
-    monkeypatch.setattr(phase_timer, "synchronized_time", lambda: waits.append(1) or time.time())
-    for module in engine.module.modules():  # every hook put on any module during the update
-        for kind in ("register_forward_hook", "register_forward_pre_hook"):
-            original = getattr(module, kind)
-            monkeypatch.setattr(module, kind, lambda *a, _o=original, **k: added.append(a) or _o(*a, **k))
-    stats, _ = grpo_update(engine, batch, cfg)
-    assert waits == [] and added == []
-    assert not any(f"{phase}_s" in stats for phase in PHASES) and stats["grad_norm"] is not None
-    stats, _ = timed_update(grpo_update, engine, batch, cfg)  # the same update, timed: both happen
-    assert waits and added and all(f"{phase}_s" in stats for phase in PHASES)
+def one_step_of_the_trainer(run_name, *flags):
+    """grpo_vllm_one.py, one step of the tiny model without a KL term (no ref server), with Python naming every
+    module each of its processes imports (PYTHONPROFILEIMPORTTIME, on stderr): the step's metrics.jsonl record and
+    the modules imported."""
+    shutil.rmtree(os.path.join(ROOT, "runs", run_name), ignore_errors=True)
+    done = subprocess.run([sys.executable, "grpo_vllm_one.py", "--beta", "0", "--steps", "1", "--batch_prompts", "2",
+                           "--num_generations", "4", "--max_new_tokens", "16", "--save_every", "100",
+                           "--run_name", run_name, *flags], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, PYTHONPROFILEIMPORTTIME="1"))
+    # "import time: self | cumulative | module", anywhere in a line: the progress bar's line has no newline
+    imported = set(re.findall(r"import time: +\d+ \| +\d+ \| +([\w.]+)", done.stderr))
+    assert done.returncode == 0, re.sub(r"import time:.*\n", "", done.stderr)[-3000:]
+    assert "simple_grpo.trainer.update" in imported, "Python named none of the trainer's imports"
+    with open(os.path.join(ROOT, "runs", run_name, "metrics.jsonl")) as f:
+        records = [r for r in map(json.loads, f) if "loss" in r]
+    assert [r["step"] for r in records] == [1], records
+    return records[0], imported
+
+
+@pytest.mark.slow  # ~1.5 min on two busy cores: two runs, each starting vLLM
+def test_the_trainer_times_its_update_by_phase_only_with_time_phases():
+    """Without --time_phases grpo_vllm_one.py's update is untimed: the phase timer is never imported (so no hook on
+    the model and no wait for the device) and the step logs no phase's seconds. With it, it logs every phase."""
+    untimed, imported = one_step_of_the_trainer("test_untimed_update")
+    assert "simple_grpo.run.phase_timer" not in imported
+    assert not [key for key in untimed if key in {f"{phase}_s" for phase in PHASES}], untimed
+    timed, imported = one_step_of_the_trainer("test_timed_update", "--time_phases")
+    assert "simple_grpo.run.phase_timer" in imported
+    assert all(timed[f"{phase}_s"] >= 0 for phase in PHASES) and timed["forward_s"] > 0, timed
 
 
 def test_busy_seconds_are_the_union_of_a_traces_ops_and_leave_the_idle_time_out():

@@ -252,3 +252,35 @@ def test_parts_that_divide_by_the_whole_batchs_count_add_up_to_the_whole_batchs_
            for r in (slice(0, 3), slice(3, 4))]
     (own_grad,) = torch.autograd.grad(sum(own) / 2, logps)  # each rank's own mean, then DeepSpeed's average
     assert not torch.allclose(own_grad, whole_grad, rtol=1e-3)
+
+
+# Four rows of 5, 2, 3 and 1 kept tokens (C = 5), each with its own advantage. At ratio 1 and beta 0 a kept token's
+# loss is -A (cispo: -A * logp), so each normalisation gives its own number.
+ROW_LENGTHS, ROW_ADVANTAGES, MAX_LEN = [5, 2, 3, 1], [1.0, -0.5, 2.0, -1.5], 8  # MAX_LEN: --max_new_tokens
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
+def test_each_loss_types_normalisation_is_its_stated_definition(loss_type):
+    """grpo: the mean over sequences of each sequence's token mean; bnpo, dapo, cispo: the sum over every kept token
+    / the batch's kept tokens; dr_grpo: the sum / (sequences x max_completion_length). TRL (1.16.0) on the same
+    batch in two micro-batches of two rows (gradient_accumulation_steps = steps_per_generation = 2, one process)
+    gives the same number but for bnpo, whose micro-batches each divide by their own tokens (7 and 4)."""
+    logps = -torch.rand(4, 5, generator=torch.Generator().manual_seed(0)) - 0.1  # (B, C)
+    mask = torch.tensor([[1.0] * n + [0.0] * (5 - n) for n in ROW_LENGTHS])
+    loss, _ = grpo_loss(logps, logps, None, torch.tensor(ROW_ADVANTAGES), mask, beta=0.0, loss_type=loss_type,
+                        max_completion_length=MAX_LEN)
+    token = [[-a * (logps[i, t].item() if loss_type == "cispo" else 1.0) for t in range(n)]  # each kept token's loss
+             for i, (n, a) in enumerate(zip(ROW_LENGTHS, ROW_ADVANTAGES))]
+    total, tokens = sum(map(sum, token)), sum(ROW_LENGTHS)
+    stated = {"grpo": sum(sum(row) / len(row) for row in token) / len(token),
+              "dr_grpo": total / (len(token) * MAX_LEN)}.get(loss_type, total / tokens)
+    assert loss.item() == pytest.approx(stated, rel=1e-6)
+
+    parts = [token[:2], token[2:]]  # TRL: each micro-batch's loss / gradient_accumulation_steps, summed
+    trl = {"grpo": sum(sum(sum(row) / len(row) for row in p) / len(p) for p in parts) / 2,
+           "bnpo": sum(sum(map(sum, p)) / sum(map(len, p)) for p in parts) / 2,
+           "dr_grpo": sum(sum(map(sum, p)) / (len(p) * MAX_LEN) for p in parts) / 2,
+           # num_items_in_batch: the whole generation batch's tokens, / num_processes x grad_accum / steps_per_generation
+           "dapo": sum(sum(map(sum, p)) / (tokens / 1 * 2 / 2) for p in parts)}
+    trl["cispo"] = trl["dapo"]
+    assert (loss.item() == pytest.approx(trl[loss_type], rel=1e-6)) == (loss_type != "bnpo")

@@ -160,7 +160,8 @@ def plan_with_the_old_sync(**options):
 
 
 def test_the_plan_bounds_the_7b_lora_run_on_an_h100():
-    """The run held 52.5 GB with the old sync; the plan of that code, 54.5, bounds it."""
+    """The run held 52.5 GB with the old sync; the plan of that code, 54.5, is above it. A record, not a validation:
+    the plan's terms were fitted after this run measured 52.5 (docs/gpu_notes.md); today's plan, 48.0, is unmeasured."""
     p = plan_with_the_old_sync(**H100_7B_LORA)
     assert p["trainer"]["total"] >= H100_7B_LORA_GPU_GB * GB, format_plan(p)
     assert p["host"]["total"] >= H100_7B_LORA_HOST_GB * GB, format_plan(p)

@@ -29,7 +29,11 @@ class TrainerConfig(TaskConfig):
     kl_estimator: str = flag("k3", "k1, k2 or k3 (grpo_math.kl_estimate)")
     epsilon: float = flag(0.2, "PPO clip range: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]")
     epsilon_high: Optional[float] = flag(None, "upper clip (default: epsilon; 0.28 for dapo, 4.0 for cispo)")
-    loss_type: str = flag("grpo", "grpo, bnpo, dr_grpo, dapo or cispo: how tokens are averaged (grpo_math.aggregate)")
+    loss_type: str = flag("grpo", "how the token losses are averaged, over the whole batch (every rank and "
+                                  "micro-batch): grpo: each sequence's token mean, then the mean over sequences; "
+                                  "bnpo, dapo, cispo: the sum / the batch's kept tokens; dr_grpo: the sum / "
+                                  "(sequences x --max_new_tokens). TRL's names; TRL's bnpo divides each micro-batch "
+                                  "by its own tokens (docs/guide.md, Research options)")
     importance_sampling_level: str = flag("token", "token, or sequence (GSPO)")
     advantage_estimator: str = flag("grpo", "grpo: group-relative (r - mean) / std; raft: 1 for each correct "
                                             "completion, 0 else (grpo_math.group_advantages)")
