@@ -12,7 +12,8 @@ from simple_grpo.run.metrics import add_part_stats, stats_over_ranks
 
 
 def loss_options(cfg):
-    """grpo_math.grpo_loss's options, from the flags (names as in TRL's GRPOConfig)."""
+    """grpo_math.grpo_loss's options, from the flags (named as in TRL's GRPOConfig; how each loss type's
+    normalisation differs from TRL's: --loss_type's help, docs/guide.md)."""
     return {"beta": cfg.beta, "epsilon": cfg.epsilon, "epsilon_high": cfg.epsilon_high, "loss_type": cfg.loss_type,
             "importance_sampling_level": cfg.importance_sampling_level, "kl_estimator": cfg.kl_estimator,
             "max_completion_length": cfg.max_new_tokens, "impl": cfg.loss_impl}
