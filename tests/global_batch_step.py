@@ -8,7 +8,7 @@ position in each), rewards, reference log-probs. One rank trains on all 4 groups
 rank 0 holds groups 0-2 and rank 1 group 3, as when one rank's reward left it fewer groups with
 signal. For each case a fresh engine from the same weights takes 3 steps; rank 0 writes
 OUT_DIR/CASE.json (each step's logged loss, gradient norm and diagnostics) and OUT_DIR/CASE.npy (how far
-every weight moved, gathered whole under ZeRO-3).
+every weight moved, gathered whole under ZeRO-3). CASE: one of CASES (default: all of them) or MASKED.
 """
 import contextlib
 import json
@@ -32,6 +32,10 @@ CASES = {"grpo": {}, "bnpo": {"loss_type": "bnpo"}, "dr_grpo": {"loss_type": "dr
          "dapo": {"loss_type": "dapo", "epsilon_high": 0.28}, "cispo": {"loss_type": "cispo"},
          "gspo": {"importance_sampling_level": "sequence"}, "raft": {"advantage_estimator": "raft"},
          "lora": {"use_peft": True, "lr": 1e-3, "disable_dropout": True}}
+# the token-mean losses again, with group 3 (rank 1's, with 2 ranks) cut off at C tokens and
+# --mask_truncated_completions on: a rank that keeps no token at all
+MASKED = {f"{name}_rank1_masked": {**CASES[name], "mask_truncated_completions": True}
+          for name in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")}
 Q, G, P, C = 4, 4, 7, 6
 RANK_GROUPS = {1: [(0, 4)], 2: [(0, 3), (3, 4)]}  # (first, end) groups of each rank
 
@@ -55,7 +59,9 @@ def global_batch(engine, tok, cfg):
     ends = torch.randint(0, C, (Q * G,), generator=g)  # each completion stops here: 1 to C tokens kept
     ends[: 3 * G] = torch.randint(0, 3, (3 * G,), generator=g)  # groups 0-2 short, group 3 up to C: tokens uneven
     batch["completion_ids"][torch.arange(Q * G), ends] = tok.eos_token_id
-    batch["loss_mask"] = completion_mask(batch["completion_ids"], tok.eos_token_id)
+    if cfg.mask_truncated_completions:  # group 3 has no stop token: every one of its tokens is masked
+        batch["completion_ids"][3 * G:] = torch.randint(3, 500, (G, C), generator=g)
+    batch["loss_mask"] = completion_mask(batch["completion_ids"], tok.eos_token_id, cfg.mask_truncated_completions)
     rewards = torch.rand(Q * G, generator=g).round()  # 0/1: correct or not
     batch["advantages"] = group_advantages(rewards, G, scale_rewards=cfg.scale_rewards, eps=cfg.advantage_eps,
                                            estimator=cfg.advantage_estimator, correct=rewards).float()
@@ -66,7 +72,8 @@ def global_batch(engine, tok, cfg):
 
 
 def run_case(name, stage, micro, out_dir):
-    cfg = Config(zero_stage=stage, micro_batch_groups=micro, threads=1, max_new_tokens=C, **{"lr": 1e-4, **CASES[name]})
+    flags = {**CASES, **MASKED}[name]
+    cfg = Config(zero_stage=stage, micro_batch_groups=micro, threads=1, max_new_tokens=C, **{"lr": 1e-4, **flags})
     check_options(cfg)
     engine, tok = make_engine(cfg)
     rank, world = engine.global_rank, engine.world_size

@@ -284,3 +284,18 @@ def test_each_loss_types_normalisation_is_its_stated_definition(loss_type):
            "dapo": sum(sum(map(sum, p)) / (tokens / 1 * 2 / 2) for p in parts)}
     trl["cispo"] = trl["dapo"]
     assert (loss.item() == pytest.approx(trl[loss_type], rel=1e-6)) == (loss_type != "bnpo")
+
+
+def test_a_part_that_keeps_no_token_adds_no_extremes_to_the_step():
+    """Parts folded by add_part_stats (micro-batches, ranks): one whose every token is masked has no ratio nor TIS
+    weight to report, so the step's min and max are the other part's, here all above 1."""
+    from simple_grpo.run.metrics import add_part_stats
+    logps = torch.full((2, 3), -1.0)
+    old, sampler = logps - 0.2, logps - 0.3  # ratio e^0.2 on every token, TIS weight e^0.1
+    stats = {}
+    for mask in (torch.zeros(2, 3), torch.ones(2, 3)):  # the empty part first, as rank 0's could be
+        _, part = grpo_loss(logps, old, None, torch.tensor([1.0, -1.0]), mask, beta=0.0, sampler_logps=sampler)
+        add_part_stats(stats, part, mask.sum().item() / 6)
+    assert stats["ratio_min"] == pytest.approx(math.exp(0.2)) == stats["ratio_max"]
+    assert stats["is_weight_min"] == pytest.approx(math.exp(0.1)) == stats["is_weight_max"]
+    assert stats["ratio_mean"] == pytest.approx(math.exp(0.2))

@@ -213,11 +213,11 @@ def test_two_ranks_with_a_ref_server(trainer, stage, workers, options):
         stop(server)
 
 
-def global_batch_run(tmp_path, ranks, stage, micro):
-    """tests/global_batch_step.py on 1 rank (plain python) or 2 (the deepspeed launcher): {case: (its JSON, how far
-    each weight moved)}."""
+def global_batch_run(tmp_path, ranks, stage, micro, cases=()):
+    """tests/global_batch_step.py on 1 rank (plain python) or 2 (the deepspeed launcher), for `cases` (none: its
+    default set): {case: (its JSON, how far each weight moved)}."""
     out_dir = tmp_path / f"ranks{ranks}_zero{stage}_micro{micro}"
-    script = [os.path.join(ROOT, "tests", "global_batch_step.py"), str(stage), str(micro), str(out_dir)]
+    script = [os.path.join(ROOT, "tests", "global_batch_step.py"), str(stage), str(micro), str(out_dir), *cases]
     cmd = ([sys.executable] if ranks == 1 else
            [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]) + script
     out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
@@ -228,30 +228,51 @@ def global_batch_run(tmp_path, ranks, stage, micro):
 
 
 @pytest.mark.slow  # ~6 min: three launches of eight engines each
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_uneven_ranks_take_the_global_batchs_step_for_every_loss_type(tmp_path, stage):
     """One rank on all 4 groups against 2 ranks holding 3 and 1 of them (and unequal token counts), whole and
     micro-batched (one group a pass), for every loss type, GSPO, RAFT and LoRA: at each of 3 steps the same
     global gradient norm (1e-4 relative), the same logged loss and diagnostics, and the same weights after.
     Before every part divided by the whole batch's count (grpo_math.loss_denominator), a group on the
     1-group rank weighed 3x one on the other (grpo, step 1: grad norm 6.3286 on 2 ranks against 3.4404 on 1)."""
-    import numpy as np
     one = global_batch_run(tmp_path, 1, stage, 0)
     for micro in (0, 1):
         two = global_batch_run(tmp_path, 2, stage, micro)
         assert set(two) == set(one) == {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "gspo", "raft", "lora"}
-        for case, (figures, moved) in one.items():
-            theirs, their_moved = two[case]
-            print(f"ZeRO-{stage}, {case}, micro {micro}: grad norms 1 rank "
-                  f"{[round(s['grad_norm'], 6) for s in figures['steps']]}, 2 ranks "
-                  f"{[round(s['grad_norm'], 6) for s in theirs['steps']]}")
-            assert figures["world"] == 1 and theirs["world"] == 2
-            for mine, other in zip(figures["steps"], theirs["steps"]):
-                assert mine["skipped_updates"] == other["skipped_updates"] == 0
-                assert other["grad_norm"] == pytest.approx(mine["grad_norm"], rel=1e-4), case
-                assert other["tokens"] == mine["tokens"], case  # the whole batch's, not rank 0's
-                for key in ("loss", "kl", "clip_fraction", "ratio_mean", "entropy"):
-                    assert other[key] == pytest.approx(mine[key], rel=1e-4, abs=1e-6), (case, key)
-            # the weights after 3 steps moved the same (Adam divides each gradient by its own size, so a weight
-            # whose gradient is near 0 moves by rounding noise: the whole move is compared, not each weight)
-            assert np.linalg.norm(their_moved - moved) <= 1e-4 * np.linalg.norm(moved), case
+        same_steps(one, two, stage, micro)
+
+
+def same_steps(one, two, stage, micro):
+    """Each case's 3 steps on 2 ranks are its steps on 1: the gradient norm (1e-4 relative), the logged loss and
+    diagnostics, the token count, and how far the weights moved."""
+    import numpy as np
+    for case, (figures, moved) in one.items():
+        theirs, their_moved = two[case]
+        print(f"ZeRO-{stage}, {case}, micro {micro}: grad norms 1 rank "
+              f"{[round(s['grad_norm'], 6) for s in figures['steps']]}, 2 ranks "
+              f"{[round(s['grad_norm'], 6) for s in theirs['steps']]}")
+        assert figures["world"] == 1 and theirs["world"] == 2
+        for mine, other in zip(figures["steps"], theirs["steps"]):
+            assert mine["skipped_updates"] == other["skipped_updates"] == 0
+            assert other["grad_norm"] == pytest.approx(mine["grad_norm"], rel=1e-4), case
+            assert other["tokens"] == mine["tokens"], case  # the whole batch's, not rank 0's
+            for key in ("loss", "kl", "clip_fraction", "ratio_mean", "entropy"):
+                assert other[key] == pytest.approx(mine[key], rel=1e-4, abs=1e-6), (case, key)
+        # the weights after 3 steps moved the same (Adam divides each gradient by its own size, so a weight
+        # whose gradient is near 0 moves by rounding noise: the whole move is compared, not each weight)
+        assert np.linalg.norm(their_moved - moved) <= 1e-4 * np.linalg.norm(moved), case
+
+
+@pytest.mark.slow  # ~3 min: two launches of five engines each, a stage
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_rank_that_keeps_no_token_leaves_the_global_batchs_step_unchanged(tmp_path, stage):
+    """Rank 1's one group cut off and masked (--mask_truncated_completions): that rank adds nothing to the batch's
+    token count, and every loss type takes the step one rank takes on the same batch. Before the count was clamped
+    after the sum over ranks, rank 1 added 1 to it (bnpo, ZeRO-2, step 1: grad norm 4.8683 on 2 ranks against
+    5.1246 on 1)."""
+    from tests.global_batch_step import MASKED
+    one = global_batch_run(tmp_path, 1, stage, 0, MASKED)
+    two = global_batch_run(tmp_path, 2, stage, 0, MASKED)
+    assert set(one) == set(two) == set(MASKED)
+    assert all(s["tokens"] > 0 for s in one["bnpo_rank1_masked"][0]["steps"])
+    same_steps(one, two, stage, 0)
