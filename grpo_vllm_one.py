@@ -63,7 +63,8 @@ class Config(TrainerConfig):
     gen_compile: bool = flag(False, "CPU machines: torch.compile vLLM's model (a slower start, faster sampling; "
                                     "on a GPU vLLM always compiles)")
     gen_memory: float = flag(0.0, "vLLM's gpu_memory_utilization; 0: 0.9 on a GPU of its own, 0.3 beside the trainer")
-    max_model_len: int = flag(512, "vLLM's context length: prompt + completion")
+    max_model_len: int = flag(512, "vLLM's context length: prompt + completion (a completion that reaches it is cut "
+                                   "off, like one at --max_new_tokens; the start counts the prompts it cannot hold)")
     tis_cap: float = flag(2.0, "capped importance sampling (TIS): each token weighted by min(pi_old / pi_vLLM, cap); "
                                 "0: no weights, vLLM's log-probs are pi_old (the ratio's denominator) instead")
     sync_every: int = flag(1, "trainer steps between weight syncs to the worker")

@@ -151,3 +151,15 @@ def test_in_bf16_vllm_sampling_logps_are_close_to_the_trainers(smollm2):
     figures = logp_differences_in_a_process(smollm2, "bfloat16")
     assert figures["completions"] == 8 and figures["tokens"] > 0
     assert math.isfinite(figures["mean_abs_diff"]) and math.isfinite(figures["max_abs_diff"]), figures
+
+
+def test_the_recipes_context_holds_every_training_prompt_and_its_new_tokens(smollm2, capsys):
+    """make demo-real's --max_model_len: check_context_length over the training problems, with the recipe's system
+    prompt and --max_new_tokens, has nothing to say (a prompt left less room would be counted in a note)."""
+    from grpo_vllm_one import Config
+    from simple_grpo.generation.vllm_sampler import check_context_length
+    from simple_grpo.task.problems import load_data
+    from tools.smollm2_recipe import MAX_MODEL_LEN, MAX_NEW_TOKENS, SYSTEM_PROMPT
+    cfg = Config(model=smollm2, system_prompt=SYSTEM_PROMPT, max_new_tokens=MAX_NEW_TOKENS, max_model_len=MAX_MODEL_LEN)
+    check_context_length(cfg, load_data(cfg), AutoTokenizer.from_pretrained(smollm2))
+    assert capsys.readouterr().out == ""

@@ -28,8 +28,11 @@ SAMPLING_FLAGS = ["--num_generations", str(GROUP), "--max_new_tokens", str(MAX_N
 # The trainer takes both cores (--threads 2; vLLM's worker keeps the second): it computes ~7.6 s of an 8 s step
 # while the worker samples for ~3.3 s, and with 2 threads a step took 7.2 s instead of 8.0, same numbers.
 TRAINER_THREADS = ["--threads", "2"]
+# vLLM's context: the training prompts are 64-103 tokens with SYSTEM_PROMPT, so 168 holds each one and 64 new tokens
+MAX_MODEL_LEN = 168
 TRAIN_FLAGS = ["--use_peft", "--lora_target_modules", LORA_TARGETS, "--lr", str(LR), "--beta", str(BETA),
-               "--batch_prompts", str(PROMPTS), *SAMPLING_FLAGS, "--max_model_len", "160", *TRAINER_THREADS]
+               "--batch_prompts", str(PROMPTS), *SAMPLING_FLAGS, "--max_model_len", str(MAX_MODEL_LEN),
+               *TRAINER_THREADS]
 STEPS = 40
 # The control's budget, fixed in steps so the same command trains the same control on any day and under any load:
 # the supervised steps one GRPO step costs. Measured on the 2-core machine alone, in the same runs (make demo-real

@@ -39,7 +39,8 @@ class TrainerConfig(TaskConfig):
                                             "completion, 0 else (grpo_math.group_advantages)")
     scale_rewards: str = flag("", "advantage scale: group, batch or none (default: group; none for dr_grpo)")
     advantage_eps: float = flag(1e-4, "added to the std the advantages are divided by: equal rewards give 0, not 0/0")
-    mask_truncated_completions: bool = flag(False, "completions cut off without a stop token get no gradient")
+    mask_truncated_completions: bool = flag(False, "completions cut off without a stop token get no gradient (at "
+                                                   "--max_new_tokens; grpo_vllm_one: or at vLLM's --max_model_len)")
     lr: Optional[float] = flag(None, "AdamW's learning rate; None: 1e-4 for the tiny default model and 1e-6 (TRL's) "
                                      "for any other (LoRA adapters want ~1e-4)")
     adam_beta1: float = flag(0.9, "AdamW's beta1: the decay of its gradient mean")
