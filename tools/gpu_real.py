@@ -27,6 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from simple_grpo.evaluation import paired_gain, print_before_after, read_details  # noqa: E402
+from simple_grpo.run.checkpoints import runs_root  # noqa: E402
 from tools.launch import ROOT, TEST, child_env, evaluate, git_commit, run_child, trained_checkpoint  # noqa: E402
 from tools.smollm2_recipe import EVAL_FLAGS, MAX_NEW_TOKENS, SYSTEM_PROMPT, write_answers_only  # noqa: E402
 
@@ -77,7 +78,7 @@ def main():
     args = ap.parse_args()
     if not os.path.isdir(os.path.join(ROOT, args.start)):
         raise SystemExit(f"--start {args.start}: no such directory (make it with `make demo-real SETTING=answers`)")
-    run_dir = os.path.join(ROOT, "runs", args.run_name)
+    run_dir = os.path.join(ROOT, runs_root(), args.run_name)
     env, t0 = child_env(), time.time()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the child trainer is stopped with us
     os.makedirs(run_dir, exist_ok=True)
