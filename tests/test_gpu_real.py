@@ -26,6 +26,8 @@ def test_the_gpu_real_model_command_runs_in_its_tiny_form():
     assert report["gain"]["ci95"][0] <= report["gain"]["points"] <= report["gain"]["ci95"][1]
     assert report["s_per_step"] > 0 and 0 <= report["sampler_gap_mean"] <= report["sampler_gap_max"] < 0.1
     assert "--dtype" in report["trainer_flags"] and "--use_peft" not in report["trainer_flags"]  # full fine-tuning
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert report["commit"] == report["tree"]["commit"] == head and len(report["tree"]["tree_sha256"]) == 64
     assert "GRPO - start:" in out.stdout
 
 
