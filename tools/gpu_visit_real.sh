@@ -25,8 +25,9 @@ timeout $((MINUTES * 60 + 240)) python3 tools/gpu_real.py --start "$START" --min
     --lr "${LR:-5e-6}" > "$OUT/real.out" 2> "$OUT/real.log"
 echo "gpu_real.py: exit $? in $((SECONDS - t0)) s" | tee -a "$OUT/visit.txt"
 tail -c 200000 "$OUT/real.log" > "$OUT/real.log.tail" && rm "$OUT/real.log"
-cp runs/gpu_real_seed0_grpo/metrics.jsonl "$OUT/metrics.jsonl" 2>/dev/null
-for f in runs/gpu_real_seed0/report.json runs/gpu_real_seed0/eval_start.jsonl runs/gpu_real_seed0/eval_after.jsonl; do
+RUNS=${SIMPLE_GRPO_RUNS:-runs}  # where the trainers put runs/RUN_NAME
+cp "$RUNS/gpu_real_seed0_grpo/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
+for f in "$RUNS"/gpu_real_seed0/{report.json,eval_start.jsonl,eval_after.jsonl}; do
     cp "$f" "$OUT/" 2>/dev/null
 done
 tail -30 "$OUT/real.out"

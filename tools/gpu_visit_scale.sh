@@ -32,5 +32,5 @@ t0=$SECONDS
 timeout "$SECONDS_LIMIT" python3 bench/gpu_scale.py "${ARGS[@]}" > "$OUT/$NAME.out" 2> "$OUT/$NAME.log"
 echo "bench/gpu_scale.py $NAME: exit $? in $((SECONDS - t0)) s" | tee -a "$OUT/$NAME.visit.txt"
 tail -c 300000 "$OUT/$NAME.log" > "$OUT/$NAME.log.tail" && rm "$OUT/$NAME.log"
-cp runs/bench_gpu_scale/metrics.jsonl "$OUT/$NAME.metrics.jsonl" 2>/dev/null
+cp "${SIMPLE_GRPO_RUNS:-runs}/bench_gpu_scale/metrics.jsonl" "$OUT/$NAME.metrics.jsonl" 2>/dev/null
 tail -c 3000 "$OUT/$NAME.out"
