@@ -68,7 +68,7 @@ from simple_grpo.trainer.update import loss_options, optimizer_step, step_stats
 class Config(TrainerConfig):
     """grpo_train.py's flags: the trainers' shared ones (simple_grpo/trainer/config.py), and these."""
     SECTIONS = {**TrainerConfig.SECTIONS, "run_name": "this script"}
-    run_name: str = flag("demo", "outputs go to runs/RUN_NAME/")
+    run_name: str = flag("demo", "outputs go to runs/RUN_NAME/ ($SIMPLE_GRPO_RUNS/RUN_NAME/ where that is set)")
     threads: int = flag(2, "CPU threads for torch")
 
 

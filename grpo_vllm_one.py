@@ -75,7 +75,7 @@ class Config(TrainerConfig):
     startup_order: str = flag("auto", "auto: the trainer loads its model once vLLM is up where they share a GPU; "
                                       "vllm_first: always so; together: never wait")
     data_timeout: float = flag(600.0, "seconds to wait for a batch once vLLM is up (the worker: for new weights)")
-    run_name: str = flag("vllm_one", "outputs go to runs/RUN_NAME/")
+    run_name: str = flag("vllm_one", "outputs go to runs/RUN_NAME/ ($SIMPLE_GRPO_RUNS/RUN_NAME/ where that is set)")
     threads: int = flag(1, "the trainer's CPU threads (not pinned; each worker: --gen_threads cores)")
     time_phases: bool = flag(False, "time each update by phase (forward, log_softmax, recompute, backward, loss, "
                                     "optimizer) into metrics.jsonl; on a GPU it waits for the GPU at each phase's end")

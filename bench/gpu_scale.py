@@ -77,6 +77,7 @@ from bench.harness import tree_pss, wait_peak_rss  # noqa: E402
 from simple_grpo.flags import flag, parse_flags  # noqa: E402
 from tools.launch import MODEL, ROOT, free_port, start_ref_server, stop  # noqa: E402
 from simple_grpo.run.metrics import read_metrics  # noqa: E402
+from simple_grpo.run.checkpoints import runs_root  # noqa: E402
 from simple_grpo.run.phase_timer import PHASES  # noqa: E402
 from simple_grpo.trainer.memory_plan import GB, count_parameters  # noqa: E402
 
@@ -296,7 +297,7 @@ def main(cfg, extra):
             memory.stop()
         stop(server)
 
-    run_dir = os.path.join(ROOT, "runs", cfg.run_name)
+    run_dir = os.path.join(ROOT, runs_root(), cfg.run_name)
     rows, _ = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     gpu_wait = rows[-1].get("gpu_wait_s")  # the profiled step's (CUDA)
     timed = rows[1:] or rows

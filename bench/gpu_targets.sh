@@ -3,6 +3,9 @@
 #
 #     bash bench/gpu_targets.sh OUT_DIR [3b-700 3b-300 7b-700]     # no names: all three, in this order
 #
+# Before a visit, where the repository is: python tools/provenance.py write (the tree's commit, carried with it);
+# OUT_DIR/provenance.json then records it, checked against the tree that runs (it stops where nothing was carried).
+#
 # 3b-700, 3b-300: Qwen2.5-3B-shaped, full, bf16 ZeRO-2, --offload_optimizer --gradient_checkpointing, at 700 and at
 # 300 completion tokens (300 stands for a trained model's shorter GSM8K answers); 7b-700: Qwen2.5-7B-shaped, LoRA,
 # --gradient_checkpointing, at 700. Each writes OUT_DIR/NAME.json (the bench's JSON line: the step, its split,
@@ -19,6 +22,7 @@ OUT=${1:?usage: bash bench/gpu_targets.sh OUT_DIR [3b-700 3b-300 7b-700]}
 shift
 mkdir -p "$OUT"
 PY=${PY:-python3}
+"$PY" tools/provenance.py check --out "$OUT/provenance.json" || exit 2
 THREE_B=(--config configs/qwen2.5-3b --steps 3)
 THREE_B_FLAGS=(-- --offload_optimizer --gradient_checkpointing)
 SEVEN_B=(--config configs/qwen2.5-7b --lora --steps 3)

@@ -11,6 +11,7 @@ import psutil
 
 from grpo_vllm_one import Config
 from tools.launch import ROOT, TINY_WORLD_FLAGS, evaluate, free_port, start_ref_server, stop
+from simple_grpo.run.checkpoints import runs_root
 from simple_grpo.run.metrics import read_metrics
 from simple_grpo.trainer.deepspeed_engine import clear_stale_build_locks
 
@@ -91,11 +92,12 @@ def run(trainer, steps, skip, env, extra, run_name=None, ref_server=True, eval_a
         print(f"{trainer}: {steps} steps in {time.time() - t0:.0f} s with start-up", file=sys.stderr)
     finally:
         stop(server)
-    rows, _ = read_metrics(os.path.join(ROOT, "runs", run_name, "metrics.jsonl"))  # steps, not the doctor's warnings
+    run_dir = os.path.join(ROOT, runs_root(), run_name)
+    rows, _ = read_metrics(os.path.join(run_dir, "metrics.jsonl"))  # steps, not the doctor's warnings
     timed = rows[skip:]
-    config = json.load(open(os.path.join(ROOT, "runs", run_name, "config.json")))
+    config = json.load(open(os.path.join(run_dir, "config.json")))
     completions = len(timed) * config["batch_prompts"] * config["num_generations"]
-    after = evaluate(os.path.join("runs", run_name, f"step_{steps}"), env, args=eval_args)
+    after = evaluate(os.path.join(runs_root(), run_name, f"step_{steps}"), env, args=eval_args)
     return {"trainer": trainer,
             "completions_per_s": round(completions / sum(r["step_s"] for r in timed), 2),
             "s_per_step": round(statistics.median(r["step_s"] for r in timed), 3),

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from bench.harness import build_deepspeed_ops, wait_peak_rss  # noqa: E402
 from tools.launch import MODEL, ROOT, TINY_WORLD_FLAGS, child_env, free_port, start_ref_server  # noqa: E402
 from simple_grpo.run.metrics import read_metrics  # noqa: E402
+from simple_grpo.run.checkpoints import runs_root  # noqa: E402
 
 
 def run(model, lora, args, env):
@@ -45,7 +46,7 @@ def run(model, lora, args, env):
         if server is not None:
             server.terminate()
             server.wait(timeout=30)
-    rows, _ = read_metrics(os.path.join(ROOT, "runs", name, "metrics.jsonl"))
+    rows, _ = read_metrics(os.path.join(ROOT, runs_root(), name, "metrics.jsonl"))
     timed = rows[args.skip:]
     median = lambda key: round(statistics.median(r[key] for r in timed), 3)  # noqa: E731
     return {"lora": lora, "model": model, "steps": len(timed), "compute_s_median": median("compute_s"),

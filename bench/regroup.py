@@ -24,6 +24,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from simple_grpo.run.metrics import read_metrics  # noqa: E402
+from simple_grpo.run.checkpoints import runs_root  # noqa: E402
 from tools.launch import TINY_WORLD_FLAGS, child_env, evaluate, free_port, start_ref_server  # noqa: E402
 
 PIPELINES = {"base": ("ref_server.py", "grpo_vllm_one.py"),
@@ -46,9 +47,10 @@ def run(pipeline, completions, seed, env):
         server.terminate()
         server.wait(timeout=30)
     minutes = (time.time() - t0) / 60
-    rows, _ = read_metrics(os.path.join(ROOT, "runs", run_name, "metrics.jsonl"))  # steps, not the doctor's warnings
+    run_dir = os.path.join(ROOT, runs_root(), run_name)
+    rows, _ = read_metrics(os.path.join(run_dir, "metrics.jsonl"))  # steps, not the doctor's warnings
     last = rows[-1]
-    after = evaluate(os.path.join("runs", run_name, f"step_{last['step']}"), env)
+    after = evaluate(os.path.join(runs_root(), run_name, f"step_{last['step']}"), env)
     return {"pipeline": pipeline, "useful_fraction": round(last["trained"] / last["generated"], 3),
             "accuracy_after": after["accuracy"], "format_after": after["format_rate"],
             "generated": last["generated"], "trained": last["trained"], "steps": last["step"],

@@ -69,5 +69,5 @@ fi
     --max_model_len "${MAX_MODEL_LEN:-$((MAX_NEW_TOKENS + 512))}" --save_every "$SAVE_EVERY" ${EXTRA_FLAGS:-}
 
 # 3. accuracy on the test split, greedy (evaluate.py; vLLM when installed)
-$PY evaluate.py --model "runs/$RUN/step_$STEPS" --dataset "$EVAL_DATASET" --dataset_config "$DATASET_CONFIG" \
-    --split test --max_new_tokens "$MAX_NEW_TOKENS" --dtype "$DTYPE" --json
+$PY evaluate.py --model "${SIMPLE_GRPO_RUNS:-runs}/$RUN/step_$STEPS" --dataset "$EVAL_DATASET" \
+    --dataset_config "$DATASET_CONFIG" --split test --max_new_tokens "$MAX_NEW_TOKENS" --dtype "$DTYPE" --json

@@ -1,6 +1,7 @@
 import os
 import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -9,13 +10,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# the suite's own runs are runs/test_*: a new session starts them afresh (the trainers refuse to
-# write into a used run directory without --resume or --overwrite). Under pytest-xdist (make test's -n 2) the
-# controller does it before its workers start, and the workers leave each other's runs alone.
-if "PYTEST_XDIST_WORKER" not in os.environ:
-    for name in os.listdir(os.path.join(ROOT, "runs")) if os.path.isdir(os.path.join(ROOT, "runs")) else []:
-        if name.startswith("test_"):
-            shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
+
+def pytest_configure(config):
+    """Each pytest process keeps its runs in a folder of its own, runs/pytest-PID-XXXX/, removed when the process
+    ends: $SIMPLE_GRPO_RUNS names it, every process a test starts inherits it, and the trainers and tools put
+    RUN_NAME/ there (simple_grpo/run/checkpoints.py's runs_root). So `make test` and a `pytest tests/one_file.py`
+    beside it in one checkout, or two xdist workers, never share nor delete each other's run directories. The
+    tests still start their processes in the repository root, where models/ and data/ are."""
+    from simple_grpo.run.checkpoints import RUNS_ENV
+    os.makedirs(os.path.join(ROOT, "runs"), exist_ok=True)
+    os.environ[RUNS_ENV] = tempfile.mkdtemp(prefix=f"pytest-{os.getpid()}-", dir=os.path.join(ROOT, "runs"))
+
+
+def pytest_unconfigure(config):
+    from simple_grpo.run.checkpoints import RUNS_ENV
+    runs = os.environ.pop(RUNS_ENV, None)
+    if runs:
+        shutil.rmtree(runs, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -13,6 +13,7 @@ import torch
 from grpo_math import completion_mask
 from simple_grpo.flags import parse_flags
 from simple_grpo.rollouts import make_groups
+from simple_grpo.run.checkpoints import runs_root
 from simple_grpo.run.completions_log import read_completions
 from simple_grpo.trainer.config import check_options
 from tests.test_faults import fresh
@@ -61,7 +62,7 @@ def test_a_grpo_train_step_trains_on_advantages_that_follow_advantage_eps():
                               "--num_generations", "4", "--log_completions_every", "1", "--advantage_eps", str(eps),
                               "--run_name", run], cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
-        logged[eps] = read_completions(os.path.join(ROOT, "runs", run, "completions.jsonl"))  # one group with signal
+        logged[eps] = read_completions(os.path.join(runs_root(), run, "completions.jsonl"))  # one group with signal
     small, large = logged[1e-4], logged[1.0]
     assert [r["completion"] for r in small] == [r["completion"] for r in large]  # the same seed, the same samples
     rewards = torch.tensor([r["reward"] for r in small])

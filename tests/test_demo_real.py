@@ -18,6 +18,7 @@ import sys
 
 import pytest
 
+from simple_grpo.run.checkpoints import runs_root
 from tests.test_smollm2 import smollm2  # noqa: F401 - the converted model fixture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,7 +68,7 @@ def test_demo_real_runs_end_to_end_in_short(smollm2):  # noqa: F811
     assert 0 < report["grpo_minutes"] < report["minutes"]
     assert "GRPO's gain over the control" in out.stdout
     assert "verdict:" in out.stdout  # the probe spoke
-    run_dir = os.path.join(ROOT, "runs", run)
+    run_dir = os.path.join(runs_root(), run)
     for name in ("config.json", "metrics.jsonl", "report.html", "eval_base.jsonl", "eval_after.jsonl",
                  "eval_control.jsonl", "control/warm_start.json", "step_2/adapter_model.safetensors"):
         assert os.path.isfile(os.path.join(run_dir, name)), name
@@ -99,14 +100,14 @@ def test_the_answers_setting_runs_end_to_end_in_short(smollm2):  # noqa: F811
     for other in ("start", "raft", "control"):
         assert report[f"gain_vs_{other}"]["accuracy"] == pytest.approx(
             report["grpo"]["accuracy"] - report[other]["accuracy"], abs=1e-3)
-    run_dir = os.path.join(ROOT, "runs", run)
+    run_dir = os.path.join(runs_root(), run)
     with open(os.path.join(run_dir, "report.json")) as f:
         assert json.load(f) == report  # the printed JSON line, kept for tools/seed_table.py
     with open(os.path.join(run_dir, "answers_only.jsonl")) as f:
         first = json.loads(f.readline())
     assert first["answer"].startswith("#### ") and "<<" not in first["answer"]  # no worked solution in it
     for name in (f"{run}_grpo", f"{run}_raft"):
-        rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", name, "metrics.jsonl"))]
+        rows = [json.loads(line) for line in open(os.path.join(runs_root(), name, "metrics.jsonl"))]
         assert [r["step"] for r in rows] == [1, 2]
 
 
@@ -158,7 +159,7 @@ def test_the_answers_setting_refuses_a_start_trained_on_answers_only_problems():
     assert out.returncode != 0
     assert "(no --train_n) train it on the worked solutions of all training problems" in out.stderr
     assert "add --train_n 300 to --warm_start_flags" in out.stderr
-    assert not os.path.exists(os.path.join(ROOT, "runs", "test_refused_start"))  # refused before anything ran
+    assert not os.path.exists(os.path.join(runs_root(), "test_refused_start"))  # refused before anything ran
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -11,6 +11,7 @@ import time
 import psutil
 import pytest
 
+from simple_grpo.run.checkpoints import runs_root
 from tests.test_ref_server import server  # noqa: F401 - the live server fixture
 from tools.launch import ROOT, free_port, start_ref_server
 
@@ -18,7 +19,7 @@ TRAIN = [sys.executable, "grpo_train.py", "--batch_prompts", "4", "--save_every"
 
 
 def metrics(run):
-    path = os.path.join(ROOT, "runs", run, "metrics.jsonl")
+    path = os.path.join(runs_root(), run, "metrics.jsonl")
     if not os.path.exists(path):
         return []
     with open(path) as f:
@@ -27,7 +28,7 @@ def metrics(run):
 
 def fresh(run):
     """No trace of an earlier run under this name (its files would satisfy the waits below)."""
-    shutil.rmtree(os.path.join(ROOT, "runs", run), ignore_errors=True)
+    shutil.rmtree(os.path.join(runs_root(), run), ignore_errors=True)
     return run
 
 
@@ -83,7 +84,7 @@ def test_kills_during_and_between_saves_then_resume_continue_the_same_run(server
     assert out.returncode == 0, out.stderr[-3000:]
     reference = metrics("test_resume_ref")
 
-    run, run_dir = fresh("test_resume"), os.path.join(ROOT, "runs", "test_resume")
+    run, run_dir = fresh("test_resume"), os.path.join(runs_root(), "test_resume")
     start = lambda *extra: subprocess.Popen(TRAIN + common + ["--run_name", run, *extra], cwd=ROOT,  # noqa: E731
                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # 1. killed while it writes step_4 (step_2 is complete by then)

@@ -18,6 +18,7 @@ from grpo_math import completion_mask
 from grpo_vllm_one import Config
 from simple_grpo.task.problems import load_data
 from simple_grpo.generation.vllm_sampler import sample, start_vllm
+from simple_grpo.run.checkpoints import runs_root
 from simple_grpo.generation.weight_sync import WeightSender, receive_weights
 from simple_grpo.generation.workers import start_workers, stop_workers
 from tests.test_faults import fresh, metrics, wait_for
@@ -73,7 +74,7 @@ def test_one_sync_reaches_both_workers_and_each_samples_with_the_trainers_weight
 def trained_questions(run):
     """{step: the questions of the completions logged at that step (--log_completions_every 1)}."""
     by_step = {}
-    for line in open(os.path.join(ROOT, "runs", run, "completions.jsonl")):
+    for line in open(os.path.join(runs_root(), run, "completions.jsonl")):
         row = json.loads(line)
         by_step.setdefault(row["step"], set()).add(row["prompt"])
     return by_step

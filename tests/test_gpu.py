@@ -35,6 +35,7 @@ if not torch.cuda.is_available():  # one skip, one reason line, for the whole fi
 
 from tools.launch import ROOT, free_port, start_ref_server, stop  # noqa: E402
 from simple_grpo.run.metrics import read_metrics  # noqa: E402
+from simple_grpo.run.checkpoints import runs_root  # noqa: E402
 from tests.gpu_harness import check_clean_exit, json_result, run_script  # noqa: E402
 from tests.test_reference_fingerprint import models  # noqa: E402,F401 - the other tiny models, as a fixture
 
@@ -51,7 +52,7 @@ def run(args, timeout=900, env=None):
 
 
 def steps_of(run_name):
-    return read_metrics(os.path.join(ROOT, "runs", run_name, "metrics.jsonl"))[0]
+    return read_metrics(os.path.join(runs_root(), run_name, "metrics.jsonl"))[0]
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from simple_grpo.rollouts import score_groups
+from simple_grpo.run.checkpoints import runs_root
 from tools.launch import ROOT
 from simple_grpo.task.rewards import REWARD_FUNCS, load_reward_file, parse_reward_spec
 from tests.gpu_harness import check_clean_exit, json_result, run_script
@@ -80,7 +81,7 @@ def test_with_the_noise_reward_every_step_updates_the_weights():
                        "--reward_weights", "1.0", "--run_name", name, "--overwrite", "--save_every", "100"],
                       timeout=300)
     check_clean_exit(done)
-    rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", name, "metrics.jsonl"))]
+    rows = [json.loads(line) for line in open(os.path.join(runs_root(), name, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["zero_var_frac"] == 0 for r in rows)
     assert all(r["grad_norm"] and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in rows), rows

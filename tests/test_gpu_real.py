@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from simple_grpo.run.checkpoints import runs_root
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -19,11 +21,13 @@ def test_the_gpu_real_model_command_runs_in_its_tiny_form():
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert report == json.load(open(os.path.join(ROOT, "runs", "test_gpu_real", "report.json")))
+    assert report == json.load(open(os.path.join(runs_root(), "test_gpu_real", "report.json")))
     assert report["steps"] == 2 and report["start"]["n"] == report["after"]["n"] == 16
     assert report["gain"]["ci95"][0] <= report["gain"]["points"] <= report["gain"]["ci95"][1]
     assert report["s_per_step"] > 0 and 0 <= report["sampler_gap_mean"] <= report["sampler_gap_max"] < 0.1
     assert "--dtype" in report["trainer_flags"] and "--use_peft" not in report["trainer_flags"]  # full fine-tuning
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert report["commit"] == report["tree"]["commit"] == head and len(report["tree"]["tree_sha256"]) == 64
     assert "GRPO - start:" in out.stdout
 
 

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from simple_grpo.run.checkpoints import runs_root
 from tests.test_ref_server import server  # noqa: F401 - the live server fixture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,13 +60,13 @@ def test_without_a_ref_server_the_trainer_says_so():
 @pytest.mark.slow
 def test_three_steps_write_metrics_checkpoints_and_curves(server, tmp_path):  # noqa: F811
     run = "test_e2e"
-    os.makedirs(os.path.join(ROOT, "runs", run, "step_99"), exist_ok=True)  # an earlier run's checkpoint...
+    os.makedirs(os.path.join(runs_root(), run, "step_99"), exist_ok=True)  # an earlier run's checkpoint...
     out = subprocess.run([sys.executable, "grpo_train.py", "--ref_url", server, "--steps", "3", "--save_every", "2",
                           "--run_name", run, "--batch_prompts", "4", "--num_iterations", "2",
                           "--overwrite"],  # ...which only --overwrite replaces (tests/test_run_dir.py: refused without)
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    run_dir = os.path.join(ROOT, "runs", run)
+    run_dir = os.path.join(runs_root(), run)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     # the run doctor's warnings are lines of their own (at the default lr, 1e-4 for the tiny model, the second
     # iteration of step 1 can see a KL above --doctor_kl_max after the first update)

@@ -19,6 +19,7 @@ from simple_grpo.logprobs import sequence_logps
 from grpo_vllm_one import Config
 from simple_grpo.generation.vllm_sampler import sample, start_vllm
 from simple_grpo.generation.weight_sync import WeightSender, load_weights, receive_weights, sampling_version
+from simple_grpo.run.checkpoints import runs_root
 from tests.test_ref_server import server  # noqa: F401 - the live server fixture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -196,7 +197,7 @@ def test_an_unknown_startup_order_is_refused_before_any_process_starts():
 
 
 def test_killing_the_worker_stops_the_trainer_with_a_message(server):  # noqa: F811
-    metrics = os.path.join(ROOT, "runs", "test_kill_worker", "metrics.jsonl")
+    metrics = os.path.join(runs_root(), "test_kill_worker", "metrics.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)  # an earlier run's
     trainer = start_trainer(server, "test_kill_worker", steps=1000)
@@ -229,13 +230,13 @@ def test_a_short_run_overlaps_and_leaves_no_process(server):  # noqa: F811
         time.sleep(0.5)
     output, _ = trainer.communicate(timeout=60)
     assert trainer.returncode == 0, output[-3000:]
-    rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", "test_vllm_one", "metrics.jsonl"))]
+    rows = [json.loads(line) for line in open(os.path.join(runs_root(), "test_vllm_one", "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # batch b is sampled by version b - 1 exactly (max_policy_lag 1), however the two processes' pace went
     assert [r["policy_lag"] for r in rows] == [0, 1, 1, 1]
     for key in ("wait_s", "compute_s", "gen_s", "kl", "ratio_mean", "accuracy"):
         assert all(key in r for r in rows), key
-    assert os.path.exists(os.path.join(ROOT, "runs", "test_vllm_one", "step_4", "model.safetensors"))
+    assert os.path.exists(os.path.join(runs_root(), "test_vllm_one", "step_4", "model.safetensors"))
     _, alive = psutil.wait_procs(children, timeout=10)
     assert children and not alive, [p.cmdline() for p in alive]
 
@@ -248,8 +249,8 @@ def test_resume_continues_a_run_with_the_checkpoints_weights(server):  # noqa: F
                              cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert trainer.returncode == 0, trainer.stderr[-3000:]
     assert "resuming after step 4" in trainer.stdout
-    rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", "test_vllm_one", "metrics.jsonl"))]
+    rows = [json.loads(line) for line in open(os.path.join(runs_root(), "test_vllm_one", "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert rows[4]["policy_lag"] == 0  # step 5 trains on rollouts of the checkpoint's weights
-    assert os.path.exists(os.path.join(ROOT, "runs", "test_vllm_one", "step_6", "model.safetensors"))
-    assert not os.path.isdir(os.path.join(ROOT, "runs", "test_vllm_one", "step_4", "deepspeed"))
+    assert os.path.exists(os.path.join(runs_root(), "test_vllm_one", "step_6", "model.safetensors"))
+    assert not os.path.isdir(os.path.join(runs_root(), "test_vllm_one", "step_4", "deepspeed"))

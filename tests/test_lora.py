@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from simple_grpo.run.checkpoints import runs_root
 from tools.launch import ROOT
 from tests.test_ref_server import server  # noqa: F401 - the live server fixture
 
@@ -88,7 +89,7 @@ def test_adapters_train_the_base_stays_bitwise_and_the_adapters_off_reference_is
 
 
 def metrics(run):
-    with open(os.path.join(ROOT, "runs", run, "metrics.jsonl")) as f:
+    with open(os.path.join(runs_root(), run, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
 
@@ -100,7 +101,7 @@ def test_a_lora_checkpoint_holds_the_adapters_and_evaluate_runs_on_it():
     out = subprocess.run(LORA_TRAIN + ["--steps", "2", "--run_name", "test_lora_ckpt"], cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    step = os.path.join(ROOT, "runs", "test_lora_ckpt", "step_2")
+    step = os.path.join(runs_root(), "test_lora_ckpt", "step_2")
     files = os.listdir(step)
     assert "adapter_model.safetensors" in files and "adapter_config.json" in files and "config.json" not in files
     assert os.path.getsize(os.path.join(step, "adapter_model.safetensors")) < os.path.getsize(
@@ -147,7 +148,7 @@ def test_two_ranks_train_lora_adapters_under_zero_2(server):  # noqa: F811
     assert out.returncode == 0, out.stderr[-3000:]
     rows = metrics("test_lora_two_ranks")
     assert [r["step"] for r in rows] == [1, 2]
-    assert os.path.exists(os.path.join(ROOT, "runs", "test_lora_two_ranks", "step_2", "adapter_model.safetensors"))
+    assert os.path.exists(os.path.join(runs_root(), "test_lora_two_ranks", "step_2", "adapter_model.safetensors"))
 
 
 @pytest.mark.slow
@@ -162,4 +163,4 @@ def test_lora_trains_under_each_zero_stage_with_bf16_and_checkpointing(options):
     assert out.returncode == 0, out.stderr[-3000:]
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1, 2] and rows[-1]["kl"] > 0 and rows[-1]["grad_norm"] > 0
-    assert os.path.exists(os.path.join(ROOT, "runs", run, "step_2", "adapter_model.safetensors"))
+    assert os.path.exists(os.path.join(runs_root(), run, "step_2", "adapter_model.safetensors"))

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from simple_grpo.run.checkpoints import runs_root
 from tools.launch import free_port, start_ref_server, stop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -193,10 +194,10 @@ def test_two_ranks_with_a_ref_server(trainer, stage, workers, options):
         assert launcher.poll() is not None, f"the run did not end in 900 s: {' '.join(launcher.args)}"
         out = launcher.communicate(timeout=60)[0]
         assert launcher.returncode == 0, out[-4000:]
-        rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", run, "metrics.jsonl"))]
+        rows = [json.loads(line) for line in open(os.path.join(runs_root(), run, "metrics.jsonl"))]
         assert [r["step"] for r in rows] == [1, 2, 3]
         from safetensors.torch import load_file
-        saved = load_file(os.path.join(ROOT, "runs", run, "step_3", "model.safetensors"))
+        saved = load_file(os.path.join(runs_root(), run, "step_3", "model.safetensors"))
         assert sum(t.numel() for t in saved.values()) > 1_000_000  # whole, not ZeRO-3 shards
         stats = requests.get(f"http://127.0.0.1:{port}/stats", timeout=5).json()
         assert stats["groups_taken"] + stats["ready"] + stats["waiting"] == stats["groups_in"], stats  # none lost

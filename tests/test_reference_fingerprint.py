@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grpo_train import Config
 from simple_grpo.devices import auto_device, auto_dtype
 from simple_grpo.protocol import check_reference, differences, model_fingerprint
+from simple_grpo.run.checkpoints import runs_root
 from tools.launch import ROOT, free_port, start_ref_server, stop
 
 TINY = os.path.join(ROOT, "models", "tiny-math")
@@ -100,7 +101,7 @@ def test_a_trainer_refuses_a_server_with_another_model_naming_both(perturbed_ser
     assert f"serves {models['perturbed']}" in message and "starts from models/tiny-math" in message, message
     assert "1 of the 50 tensors compared differ (model.layers.0.self_attn.q_proj.weight)" in message
     assert "--ref_model_differs_ok" in message
-    assert not os.path.exists(os.path.join(ROOT, "runs", "test_fingerprint_refused", "metrics.jsonl"))
+    assert not os.path.exists(os.path.join(runs_root(), "test_fingerprint_refused", "metrics.jsonl"))
 
 
 def test_ref_model_differs_ok_goes_on_and_says_so(perturbed_server, capsys):

@@ -17,6 +17,7 @@ from simple_grpo.flags import parse_flags
 from simple_grpo.generation.vllm_sampler import NO_LOGP
 from simple_grpo.protocol import decode, encode
 from simple_grpo.rollouts import make_groups
+from simple_grpo.run.checkpoints import runs_root
 from simple_grpo.task.problems import stop_token_ids
 from regroup_ver.ref_server_regroup import Pools, RegroupConfig
 from tests.test_faults import fresh
@@ -267,7 +268,7 @@ def test_the_regroup_trainer_runs_end_to_end():
                               "--steps", "4", "--run_name", fresh("test_regroup"), "--batch_prompts", "4"],
                              cwd=ROOT, capture_output=True, text=True, timeout=900)
         assert out.returncode == 0, out.stderr[-3000:]
-        rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", "test_regroup", "metrics.jsonl"))]
+        rows = [json.loads(line) for line in open(os.path.join(runs_root(), "test_regroup", "metrics.jsonl"))]
         assert [r["step"] for r in rows] == [1, 2, 3, 4]
         assert all(0 <= r["policy_lag"] <= 4 for r in rows)  # the server's --max_policy_lag
         assert rows[-1]["trained"] == 4 * 4 * 8  # 4 steps of 4 groups of 8

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from simple_grpo.run.checkpoints import check_run_dir
+from simple_grpo.run.checkpoints import RUNS_ENV, check_run_dir, runs_root
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "models", "tiny-math")
@@ -29,6 +29,7 @@ class RunFlags:
 
 def test_check_run_dir_refuses_a_used_directory_unless_told(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(RUNS_ENV, raising=False)  # the default: runs/ in the working directory
     check_run_dir(RunFlags())  # no runs/x/ at all
     os.makedirs("runs/x")
     open("runs/x/config.json", "w").write("{}")
@@ -56,9 +57,11 @@ def test_check_run_dir_refuses_a_used_directory_unless_told(tmp_path, monkeypatc
 
 
 def train(cwd, run, *flags, script="grpo_train.py", timeout=600):
+    """The script in cwd, into cwd/runs/RUN_NAME/ (the default: the test suite's $SIMPLE_GRPO_RUNS left out)."""
     t0 = time.time()
+    env = {k: v for k, v in os.environ.items() if k != RUNS_ENV}
     out = subprocess.run([sys.executable, os.path.join(ROOT, script), *SMALL, "--run_name", run, *flags], cwd=cwd,
-                         capture_output=True, text=True, timeout=timeout)
+                         env=env, capture_output=True, text=True, timeout=timeout)
     return out, time.time() - t0
 
 
@@ -97,6 +100,23 @@ def test_grpo_vllm_one_refuses_before_starting_its_worker(tmp_path):
     assert "runs/used/ holds an earlier run" in out.stderr and "--overwrite" in out.stderr
     assert "vLLM" not in out.stdout + out.stderr.replace("runs/used/", "")  # no worker was started
     assert (tmp_path / "runs" / "used" / "step_3").is_dir()
+
+
+def test_a_second_pytest_process_in_this_checkout_deletes_none_of_this_ones_runs():
+    """`pytest tests/one_file.py` while `make test` runs in the same checkout: each pytest process keeps its runs
+    in a folder of its own, so the second one's start-up (tests/conftest.py) leaves the first one's runs alone."""
+    held = os.path.join(runs_root(), "test_held")  # where a trainer this process starts puts --run_name test_held
+    os.makedirs(os.path.join(held, "step_1"), exist_ok=True)
+    open(os.path.join(held, "metrics.jsonl"), "w").write('{"step": 1}\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}  # not one of our xdist workers
+    second = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "tests/test_run_dir.py::test_check_run_dir_refuses_a_used_directory_unless_told"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stdout[-3000:]
+    assert steps_logged(held) == [1] and os.path.isdir(os.path.join(held, "step_1"))
+    with pytest.raises(SystemExit, match=r"holds an earlier run \(1 checkpoint\(s\) up to step_1 and metrics.jsonl"):
+        check_run_dir(RunFlags(run_name="test_held"))  # a trainer started now would still find the run, whole
+    assert os.path.dirname(os.path.abspath(held)) != os.path.join(ROOT, "runs")  # a folder of this process's
 
 
 @pytest.fixture

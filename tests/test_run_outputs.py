@@ -11,6 +11,8 @@ import sys
 import psutil  # comes with vllm
 import pytest
 
+from simple_grpo.run.checkpoints import RUNS_ENV, runs_root
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METRICS = ["entropy", "clip_low_frac", "clip_high_frac", "completion_len_min", "completion_len", "completion_len_max",
            "truncated_frac", "reward_correctness", "reward_correctness_std", "reward_format", "reward_format_std",
@@ -39,7 +41,8 @@ def no_signal_run(tmp_path_factory):
                            "--reward_file", os.path.join(ROOT, "tests", "never_rewards.py"), "--reward_funcs", "never",
                            "--reward_weights", "1", "--beta", "0", "--steps", "2", "--batch_prompts", "2",
                            "--num_generations", "4", "--max_new_tokens", "16", "--run_name", "no_signal"],
-                          cwd=where, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+                          cwd=where, env={k: v for k, v in os.environ.items() if k != RUNS_ENV},  # ./runs: the default
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:]
     return where / "runs" / "no_signal"
 
@@ -62,7 +65,7 @@ def test_a_run_logs_the_metrics_and_completions_its_report_shows(trainer):
     name = f"test_outputs_{trainer}"
     out = run(trainer, name, "--ref_url", "http://127.0.0.1:9")  # beta 0: no reference server, a closed port
     assert out.returncode == 0, out.stdout[-3000:]
-    run_dir = os.path.join(ROOT, "runs", name)
+    run_dir = os.path.join(runs_root(), name)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for key in METRICS + (VLLM_METRICS if trainer == "grpo_vllm_one" else []):
@@ -100,7 +103,7 @@ def test_report_to_tensorboard_writes_the_steps():
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     out = run("grpo_train", "test_report_to_tensorboard", "--report_to", "tensorboard")
     assert out.returncode == 0, out.stdout[-3000:]
-    events = EventAccumulator(os.path.join(ROOT, "runs", "test_report_to_tensorboard", "tensorboard"))
+    events = EventAccumulator(os.path.join(runs_root(), "test_report_to_tensorboard", "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("reward_mean")] == [1, 2, 3, 4]
     assert "entropy" in events.Tags()["scalars"]
@@ -115,7 +118,7 @@ def test_preflight_stops_a_run_that_would_get_no_signal():
             "on the answer format (supervised: python tools/warm_start.py --model MODEL --out DIR), or change the "
             "reward") in out.stdout
     assert "Not training (run without --preflight to train anyway)" in out.stdout
-    assert not os.path.exists(os.path.join(ROOT, "runs", "test_preflight", "metrics.jsonl"))
+    assert not os.path.exists(os.path.join(runs_root(), "test_preflight", "metrics.jsonl"))
 
 
 STALLS = """
@@ -148,4 +151,4 @@ def test_a_preflight_probe_past_its_deadline_stops_the_run_and_is_ended(tmp_path
             if process.environ().get("PREFLIGHT_TEST_MARK") == mark["PREFLIGHT_TEST_MARK"]:
                 left.append(process.pid)
     assert left == []
-    assert not os.path.exists(os.path.join(ROOT, "runs", "test_preflight_timeout", "metrics.jsonl"))
+    assert not os.path.exists(os.path.join(runs_root(), "test_preflight_timeout", "metrics.jsonl"))

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from simple_grpo.run.checkpoints import runs_root
 from tests.test_smollm2 import save_figures, smollm2  # noqa: F401 - the converted model fixture
 from tools.launch import free_port, start_ref_server
 from simple_grpo.run.metrics import read_metrics
@@ -38,7 +39,7 @@ def train(trainer, run, model, server, *flags):
     out = subprocess.run([sys.executable, f"{trainer}.py", "--model", model, "--ref_url", server, "--run_name", run,
                           *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    steps, _ = read_metrics(os.path.join(ROOT, "runs", run, "metrics.jsonl"))  # not the run doctor's warning rows
+    steps, _ = read_metrics(os.path.join(runs_root(), run, "metrics.jsonl"))  # not the run doctor's warning rows
     return steps
 
 

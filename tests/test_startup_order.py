@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+from simple_grpo.run.checkpoints import runs_root
 from tools.launch import ROOT
 
 FLAGS = ["--beta", "0", "--batch_prompts", "2", "--num_generations", "4", "--max_new_tokens", "16",
@@ -32,7 +33,7 @@ def test_the_trainer_loads_its_model_after_vllm_is_up_and_says_it_waits():
     up = first(lines, "vLLM is up after")
     trainer_loads = first(lines, "Loading weights: 100%")  # transformers, in the trainer's make_engine
     assert waiting < vllm_loaded < up < trainer_loads
-    assert os.path.exists(os.path.join(ROOT, "runs", "test_startup_order", "step_1", "model.safetensors"))
+    assert os.path.exists(os.path.join(runs_root(), "test_startup_order", "step_1", "model.safetensors"))
 
 
 def test_a_vllm_that_does_not_come_up_in_time_stops_the_run_before_the_trainer_loads():

@@ -11,6 +11,7 @@ import pytest
 
 from simple_grpo.evaluation import equivalence_verdict, pass_at_k, pass_at_k_curve
 from simple_grpo.flags import parse_flags
+from simple_grpo.run.checkpoints import runs_root
 from tools.launch import ROOT
 from tools import study_real
 
@@ -61,7 +62,7 @@ def test_the_dry_run_lists_two_starts_three_seeds_three_arms(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     runs = [line for line in done.stdout.splitlines() if line.startswith("run ")]
-    assert len(runs) == 18 and not os.path.exists(os.path.join(ROOT, "runs", "test_study_start0_seed0_grpo"))
+    assert len(runs) == 18 and not os.path.exists(os.path.join(runs_root(), "test_study_start0_seed0_grpo"))
 
 
 def write_details(path, correct):

@@ -14,6 +14,7 @@ import simple_grpo.task.rewards as rewards
 from simple_grpo.task.problems import load_jsonl, make_prompt
 from grpo_math import completion_mask
 from simple_grpo.logprobs import sequence_logps
+from simple_grpo.run.checkpoints import RUNS_ENV, runs_root
 from simple_grpo.trainer.deepspeed_engine import make_engine
 from grpo_train import Config, main
 from simple_grpo.trainer.config import check_options
@@ -68,7 +69,8 @@ def test_two_steps_from_each_kind_of_data_file(kind, tmp_path, monkeypatch, rest
         (tmp_path / "my_rewards.py").write_text(REWARD_FILE)
         extra = {"reward_file": str(tmp_path / "my_rewards.py"), "reward_funcs": "correctness,format,brevity",
                  "reward_weights": "1.0,0.5,0.25"}
-    monkeypatch.chdir(tmp_path)  # runs/ goes here
+    monkeypatch.chdir(tmp_path)  # runs/ goes here: the default, without the test suite's $SIMPLE_GRPO_RUNS
+    monkeypatch.delenv(RUNS_ENV, raising=False)
     cfg = Config(model=TINY, dataset=str(path), **fields, **extra, beta=0.0, ref_url="http://127.0.0.1:9",
                  steps=2, batch_prompts=2, num_generations=4, max_new_tokens=16, run_name=kind, save_every=100)
     main(cfg)
@@ -281,7 +283,7 @@ def test_raft_trains_on_the_correct_completions_and_refuses_the_regrouping_serve
                           "--threads", "1", "--run_name", "test_raft", "--overwrite"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", "test_raft", "metrics.jsonl"))]
+    rows = [json.loads(line) for line in open(os.path.join(runs_root(), "test_raft", "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2]
     # RAFT's update raises the log-probs of kept completions only: every advantage is 1 or 0, none negative
     trained = [r for r in rows if r["grad_norm"]]
@@ -295,7 +297,7 @@ def test_grpo_vllm_one_with_beta_zero_needs_no_reference_server():
                           "--run_name", "test_beta0", "--loss_type", "dr_grpo"],
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", "test_beta0", "metrics.jsonl"))]
+    rows = [json.loads(line) for line in open(os.path.join(runs_root(), "test_beta0", "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2] and all(r["kl"] == 0.0 for r in rows)
 
 
@@ -309,7 +311,7 @@ def test_the_gsm8k_recipe_runs_two_steps_on_cpu_with_the_tiny_model():
            "PORT": "59891", "PY": sys.executable, "DEEPSPEED": os.path.join(os.path.dirname(sys.executable), "deepspeed")}
     out = subprocess.run(["bash", "recipes/gsm8k.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", "test_recipe", "metrics.jsonl"))]
+    rows = [json.loads(line) for line in open(os.path.join(runs_root(), "test_recipe", "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["n"] == 500 and 0.0 <= result["accuracy"] <= 1.0

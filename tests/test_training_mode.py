@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from simple_grpo.run.checkpoints import runs_root
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LORA = ["--use_peft", "--lora_target_modules", "all-linear"]
@@ -122,5 +124,5 @@ def test_a_whole_run_with_gradient_checkpointing_checkpoints(tmp_path, trainer):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     counts = {path.name: int(path.read_text()) for path in tmp_path.glob("calls.*")}
     assert counts and max(counts.values()) > 0, counts  # the trainer's process checkpointed its layers
-    rows = [json.loads(line) for line in open(os.path.join(ROOT, "runs", run, "metrics.jsonl"))]
+    rows = [json.loads(line) for line in open(os.path.join(runs_root(), run, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2]

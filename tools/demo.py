@@ -20,6 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from simple_grpo.evaluation import print_before_after  # noqa: E402
+from simple_grpo.run.checkpoints import runs_root  # noqa: E402
 from tools.launch import (MODEL, ROOT, TINY_WORLD_FLAGS, child_env, evaluate, free_port,  # noqa: E402
                                     start_ref_server, stop)
 
@@ -57,8 +58,8 @@ def main():
             raise SystemExit(f"{args.trainer}.py failed with exit code {trainer.returncode}")
     finally:  # stop what we started; the trainer stops its own generation worker
         stop(trainer), stop(server)
-    after = evaluate(os.path.join("runs", run_name, f"step_{args.steps}"), env)
-    subprocess.run([sys.executable, "tools/view_run.py", os.path.join("runs", run_name)], cwd=ROOT, env=env)
+    after = evaluate(os.path.join(runs_root(), run_name, f"step_{args.steps}"), env)
+    subprocess.run([sys.executable, "tools/view_run.py", os.path.join(runs_root(), run_name)], cwd=ROOT, env=env)
     keep = ("accuracy", "format_rate", "accuracy_in_format", "n")
     report = {"before": {k: before[k] for k in keep}, "after": {k: after[k] for k in keep},
               "minutes": round((time.time() - t0) / 60, 2)}

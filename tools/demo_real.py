@@ -47,6 +47,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from simple_grpo.evaluation import paired_gain, print_before_after, read_details  # noqa: E402
+from simple_grpo.run.checkpoints import runs_root  # noqa: E402
 from tools.launch import (ROOT, TEST, cached_evaluate, child_env, evaluate, git_commit,  # noqa: E402
                                     run_child, smollm2_warm_start, trained_checkpoint)
 from tools.smollm2_recipe import (CONTROL_FLAGS, CONTROL_STEPS_PER_GRPO_STEP, EVAL_FLAGS,  # noqa: E402
@@ -162,7 +163,7 @@ def main():
     if args.setting == "answers":
         return answers_demo(args)
     run_name = args.run_name or f"demo_real{start_tag(args)}_seed{args.seed}"
-    run_dir = os.path.join(ROOT, "runs", run_name)
+    run_dir = os.path.join(ROOT, runs_root(), run_name)
     env = child_env()  # two busy processes on two cores: OpenMP threads sleep, not spin, while they wait
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill` runs the clean-up too
     t0 = time.time()
@@ -233,7 +234,7 @@ def answers_demo(args):
     warm_flags = start_flags(args, FEW_START_FLAGS)
     check_few_solutions_start(warm_flags)
     run_name = args.run_name or f"demo_answers{start_tag(args)}_seed{args.seed}"
-    run_dir = os.path.join(ROOT, "runs", run_name)
+    run_dir = os.path.join(ROOT, runs_root(), run_name)
     env = child_env()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0, prompt = time.time(), ["--system_prompt", SYSTEM_PROMPT]
@@ -257,7 +258,7 @@ def answers_demo(args):
                           str(args.seed), "--steps", str(args.steps), *args.train_args]
         run_child(commands[name], env, f"grpo_vllm_one.py ({name})")
         minutes[name] = (time.time() - t) / 60
-        trained[name], steps[name] = trained_checkpoint(os.path.join(ROOT, "runs", f"{run_name}_{name}"))
+        trained[name], steps[name] = trained_checkpoint(os.path.join(ROOT, runs_root(), f"{run_name}_{name}"))
 
     print(f"\n== 4/5 the control: supervised training continued on the {FEW_SOLUTIONS} solutions, "
           f"{control_steps(steps['grpo'])} steps for GRPO's {steps['grpo']} ({control_steps_derivation(steps['grpo'])})"

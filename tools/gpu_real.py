@@ -15,7 +15,10 @@ The start is made on the build machine (`make demo-real SETTING=answers`, ~50 mi
 printed there) and carried to the GPU machine with ../shared/gpu's MODEL=DIR. Flags after -- go to the trainer and
 win over this tool's. The evaluations and the data go to runs/RUN_NAME/, the trainer's run to runs/RUN_NAME_grpo/.
 Prints a table and one last JSON line {"start", "after", "gain", "steps", "s_per_step", "sampler_gap_mean",
-"sampler_gap_max", "doctor_warnings", "minutes", "commit", "trainer_flags"}, also written to runs/RUN_NAME/report.json.
+"sampler_gap_max", "doctor_warnings", "minutes", "commit", "tree", "trainer_flags"}, also written to
+runs/RUN_NAME/report.json. "tree" records the tree that ran (simple_grpo/run/provenance.py: on a GPU visit the
+commit carried with the tree, checked against its files there, whose git may read another commit); "commit" is its
+commit.
 """
 import argparse
 import json
@@ -27,7 +30,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from simple_grpo.evaluation import paired_gain, print_before_after, read_details  # noqa: E402
-from tools.launch import ROOT, TEST, child_env, evaluate, git_commit, run_child, trained_checkpoint  # noqa: E402
+from simple_grpo.run.checkpoints import runs_root  # noqa: E402
+from simple_grpo.run.provenance import what_ran  # noqa: E402
+from tools.launch import ROOT, TEST, child_env, evaluate, run_child, trained_checkpoint  # noqa: E402
 from tools.smollm2_recipe import EVAL_FLAGS, MAX_NEW_TOKENS, SYSTEM_PROMPT, write_answers_only  # noqa: E402
 
 KEEP = ("accuracy", "accuracy_strict", "format_rate", "mean_tokens", "n")
@@ -77,8 +82,8 @@ def main():
     args = ap.parse_args()
     if not os.path.isdir(os.path.join(ROOT, args.start)):
         raise SystemExit(f"--start {args.start}: no such directory (make it with `make demo-real SETTING=answers`)")
-    run_dir = os.path.join(ROOT, "runs", args.run_name)
-    env, t0 = child_env(), time.time()
+    run_dir = os.path.join(ROOT, runs_root(), args.run_name)
+    env, t0, tree = child_env(), time.time(), what_ran()  # read before anything runs
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the child trainer is stopped with us
     os.makedirs(run_dir, exist_ok=True)
     answers_only = os.path.join(run_dir, "answers_only.jsonl")
@@ -101,7 +106,7 @@ def main():
               "gain": {"points": round(100 * gain["gain"], 1),
                        "ci95": [round(100 * g, 1) for g in gain["ci95"]], "won": gain["won"], "lost": gain["lost"]},
               "steps": steps, "stopped_by_time": stopped, **run_figures(run_dir + "_grpo"), "minutes": round((time.time() - t0) / 60, 2),
-              "commit": git_commit(), "trainer_flags": command}
+              "commit": tree["commit"], "tree": tree, "trainer_flags": command}
     with open(os.path.join(run_dir, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
     print_before_after(report, ("start", "after"),

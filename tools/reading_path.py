@@ -205,6 +205,7 @@ def trace_step(trainer, workdir):
     tools/launch.py): {process: its record} for "server", "trainer" and each process the trainer started."""
     import requests
     from tools.launch import MODEL, TINY_WORLD_FLAGS, child_env, free_port  # not in a traced process: untraced
+    from simple_grpo.run.checkpoints import runs_root
     port, env = free_port(), {**child_env(), "PYTHONPATH": ROOT}
     out = {name: os.path.join(workdir, f"{trainer}.{name}.json") for name in ("server", "trainer")}
     server_log = open(os.path.join(workdir, "server.log"), "w")  # a file: a pipe nobody reads could fill and stall it
@@ -233,7 +234,7 @@ def trace_step(trainer, workdir):
         server.terminate()
         server.wait(timeout=60)
         server_log.close()
-        shutil.rmtree(os.path.join(ROOT, "runs", RUN_NAME), ignore_errors=True)
+        shutil.rmtree(os.path.join(ROOT, runs_root(), RUN_NAME), ignore_errors=True)
     stem = out["trainer"][:-len(".json")]
     for path in glob.glob(stem + ".*.json"):  # the processes it started: grpo_vllm_one.trainer.gen_worker_0.json
         out[path[len(stem) + 1:-len(".json")]] = path

@@ -35,6 +35,7 @@ from tools.launch import ROOT, cached_evaluate, child_env, run_child, smollm2_wa
 from tools.smollm2_recipe import (EVAL_FLAGS, FEW_START_FLAGS, SYSTEM_PROMPT, TRAIN_FLAGS,  # noqa: E402
                                             write_answers_only)
 from simple_grpo.task.problems import TaskConfig  # noqa: E402
+from simple_grpo.run.checkpoints import runs_root  # noqa: E402
 
 ARMS = {"grpo": ["--advantage_estimator", "grpo", "--scale_rewards", "group"],
         "raft": ["--advantage_estimator", "raft"],
@@ -45,7 +46,7 @@ PASSK_SAMPLES = 8
 
 
 def study_dir(args):
-    return os.path.join(ROOT, "runs", args.name)
+    return os.path.join(ROOT, runs_root(), args.name)
 
 
 def start_of(start_seed, env, dry_run):
@@ -102,7 +103,7 @@ def run_study(args, env):
         for seed in args.seeds:
             for arm in ARMS:
                 name, cmd = train_command(args, start, answers_only, start_seed, seed, arm)
-                run_dir = os.path.join(ROOT, "runs", name)
+                run_dir = os.path.join(ROOT, runs_root(), name)
                 last = os.path.join(run_dir, f"step_{args.steps}")
                 if args.dry_run:
                     print(f"run {name}: {' '.join(cmd)}")

@@ -16,6 +16,13 @@ from simple_grpo.devices import max_over_ranks
 from simple_grpo.run.disk_guard import full_disk_exit, is_disk_full, tree_bytes
 
 STATE_DIR = "deepspeed"
+RUNS_ENV = "SIMPLE_GRPO_RUNS"  # where runs/ is, when set: the test suite gives each pytest process its own
+
+
+def runs_root():
+    """The folder that holds runs/RUN_NAME/: ./runs, or $SIMPLE_GRPO_RUNS where that is set (tests/conftest.py
+    sets it, so that two test runs in one checkout never share a run directory)."""
+    return os.environ.get(RUNS_ENV) or "runs"
 
 
 def rng_states():
@@ -126,7 +133,8 @@ def keep_log_until(path, step):
 def check_run_dir(cfg):
     """Before anything loads: a runs/RUN_NAME/ with checkpoints (whole or partial) or logged lines is continued
     with --resume or replaced with --overwrite, never deleted unasked."""
-    run_dir, metrics = os.path.join("runs", cfg.run_name), os.path.join("runs", cfg.run_name, "metrics.jsonl")
+    run_dir = os.path.join(runs_root(), cfg.run_name)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
     if cfg.resume and cfg.overwrite:
         raise SystemExit("--resume continues runs/RUN_NAME, --overwrite deletes it: give one of them")
     saves = sorted((d for d in os.listdir(run_dir) if re.fullmatch(r"step_\d+(\.tmp)?", d)),
@@ -144,7 +152,7 @@ def check_run_dir(cfg):
 def open_run(cfg, engine):
     """runs/RUN_NAME/ with this config.json: a new run starts its logs empty; --resume loads the latest checkpoint
     into the engine and keeps the logs up to its step. Returns (run_dir, metrics_path, first step, saved state)."""
-    run_dir, first_step, state = os.path.join("runs", cfg.run_name), 1, None
+    run_dir, first_step, state = os.path.join(runs_root(), cfg.run_name), 1, None
     metrics_path, rank0 = os.path.join(run_dir, "metrics.jsonl"), engine.global_rank == 0  # rank 0 alone writes
     if rank0:
         check_run_dir(cfg)  # again: another run may have begun in it since
