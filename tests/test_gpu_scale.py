@@ -17,6 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from bench.gpu_scale import hardware_flops
 from grpo_math import completion_mask
 from grpo_train import Config
+from simple_grpo.run.checkpoints import runs_root
 from simple_grpo.run.phase_timer import PHASES, UpdatePhases, busy_seconds, timed_update
 from simple_grpo.trainer.config import check_options
 from simple_grpo.trainer.deepspeed_engine import make_engine
@@ -65,7 +66,8 @@ def one_step_of_the_trainer(run_name, *flags):
     """grpo_vllm_one.py, one step of the tiny model without a KL term (no ref server), with Python naming every
     module each of its processes imports (PYTHONPROFILEIMPORTTIME, on stderr): the step's metrics.jsonl record and
     the modules imported."""
-    shutil.rmtree(os.path.join(ROOT, "runs", run_name), ignore_errors=True)
+    run_dir = os.path.join(ROOT, runs_root(), run_name)  # this pytest process's runs (tests/conftest.py)
+    shutil.rmtree(run_dir, ignore_errors=True)
     done = subprocess.run([sys.executable, "grpo_vllm_one.py", "--beta", "0", "--steps", "1", "--batch_prompts", "2",
                            "--num_generations", "4", "--max_new_tokens", "16", "--save_every", "100",
                            "--run_name", run_name, *flags], cwd=ROOT, capture_output=True, text=True, timeout=900,
@@ -74,7 +76,7 @@ def one_step_of_the_trainer(run_name, *flags):
     imported = set(re.findall(r"import time: +\d+ \| +\d+ \| +([\w.]+)", done.stderr))
     assert done.returncode == 0, re.sub(r"import time:.*\n", "", done.stderr)[-3000:]
     assert "simple_grpo.trainer.update" in imported, "Python named none of the trainer's imports"
-    with open(os.path.join(ROOT, "runs", run_name, "metrics.jsonl")) as f:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [r for r in map(json.loads, f) if "loss" in r]
     assert [r["step"] for r in records] == [1], records
     return records[0], imported
