@@ -271,8 +271,8 @@ def test_the_doctor_names_weights_that_did_not_reach_vllm(tmp_path, model_dir, b
 
 def test_a_token_vllm_is_sure_of_is_one_outlier_token_not_a_mismatch(tmp_path, model_dir, bf16):
     """vLLM reports a log-prob of exactly 0.0 for a token it is sure of (bf16 rounding): a log-prob, not its
-    padding. One such token that the trainer gives less than e^-1 is one outlier token, not a stop-set
-    disagreement: the doctor stays quiet (the batch's mean gap is small)."""
+    padding. One such token that the trainer gives less than e^-1 is one outlier token, not a mismatch: the doctor
+    stays quiet (the batch's mean gap is small)."""
     cfg, tok, prompt_rows, completion_ids, sampler_logps, _ = bf16
     mask = completion_mask(completion_ids, stop_token_ids(tok, cfg.prompt_format, cfg.model))
     sure = mask.bool() & (sampler_logps == 0.0)
