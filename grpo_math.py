@@ -47,19 +47,34 @@ def grpo_objective(logps, old_logps, ref_logps, rewards, loss_mask, G, sampler_l
 # ---------------------------------------------------------------------------- log-probs
 def completion_logps(model, prompt_ids, prompt_mask, completion_ids, temperature=1.0):
     """log pi(token | the tokens before it) of each completion token, (B, C), and the entropy of each
-    position's distribution (a diagnostic: how sure the policy is), (B, C). One forward over prompt +
-    completion, log_softmax, gather. prompt_ids (Q, P) left-padded with prompt_mask; completion_ids (B, C)
-    right-padded, group after group. Dividing by the sampling temperature makes these the log-probs of
-    softmax(logits / temperature), the distribution both samplers draw from (hf_sampler.py and
-    vllm_sampler.py apply no top-k, top-p or penalty; only --min_new_tokens, for benchmarks, forbids the
-    stop tokens before that length)."""
-    G, P = completion_ids.size(0) // prompt_ids.size(0), prompt_ids.size(1)
-    ids = torch.cat([prompt_ids.repeat_interleave(G, 0), completion_ids], 1)                 # (B, P + C)
-    attention_mask = torch.cat([prompt_mask.repeat_interleave(G, 0), torch.ones_like(completion_ids)], 1)  # (B, P + C)
-    positions = (attention_mask.cumsum(1) - 1).clamp(min=0)   # count real tokens only, as generation does
-    logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=positions, use_cache=False).logits
-    logits = logits[:, P - 1:-1].float() / temperature        # (B, C, V): position P-1+t predicts token t
-    all_logps = torch.log_softmax(logits, dim=-1)                                          # (B, C, V)
+    position's distribution (a diagnostic: how sure the policy is), (B, C). prompt_ids (Q, P) left-padded with
+    prompt_mask; completion_ids (B, C) right-padded, the G completions of a prompt one after another.
+    Each prompt runs once and its KV cache is copied for its G completions, which then run on it: the numbers
+    of one forward over prompt + completion, for less work (with gradient checkpointing, which keeps no cache
+    in training, that one forward). Dividing by the sampling temperature makes these the log-probs of
+    softmax(logits / temperature), the distribution the samplers draw from (no top-k, top-p or penalty)."""
+    (Q, P), (B, C) = prompt_ids.shape, completion_ids.shape
+    G = B // Q
+    attention_mask = torch.cat([prompt_mask.repeat_interleave(G, 0), torch.ones_like(completion_ids)], 1)  # (B, P+C)
+    module = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
+    if module.training and getattr(module, "is_gradient_checkpointing", False):
+        ids = torch.cat([prompt_ids.repeat_interleave(G, 0), completion_ids], 1)               # (B, P + C)
+        positions = (attention_mask.cumsum(1) - 1).clamp(min=0)   # count real tokens only, as generation does
+        logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=positions,
+                       use_cache=False).logits[:, P - 1:-1]       # (B, C, V): position P-1+t predicts token t
+    else:
+        prompt = model(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True, logits_to_keep=1,
+                       position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0))  # each prompt once: (Q, 1, V)
+        prompt.past_key_values.batch_repeat_interleave(G)        # its cache, G copies: B rows
+        logits = [prompt.logits.repeat_interleave(G, 0)]          # (B, 1, V): predicts completion token 0
+        if C > 1:  # completion token t predicts token t + 1
+            starts = prompt_mask.sum(1).repeat_interleave(G)[:, None]                       # (B, 1)
+            positions = starts + torch.arange(C - 1, device=prompt_mask.device)            # (B, C - 1)
+            logits.append(model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+                                position_ids=positions, past_key_values=prompt.past_key_values,
+                                use_cache=True).logits)           # (B, C - 1, V)
+        logits = torch.cat(logits, 1)                             # (B, C, V)
+    all_logps = torch.log_softmax(logits.float() / temperature, dim=-1)                    # (B, C, V)
     logps = all_logps.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)                 # (B, C)
     with torch.no_grad():
         entropy = -(all_logps.exp() * all_logps).sum(-1)                                   # (B, C)

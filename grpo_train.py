@@ -23,7 +23,7 @@ functions, constants and flags a step runs through):
   3. the reference model's log-probs of the same tokens, for the KL term: each kept group is uploaded to
      ref_server.py and taken back with them (simple_grpo/protocol.py's reference_logps_from_server); with
      LoRA: our own model, adapters off; with beta 0: none;
-  4. the policy's log-probs (grpo_math.completion_logps: one forward, log_softmax, gather) and the GRPO
+  4. the policy's log-probs (grpo_math.completion_logps: each prompt once, its cache copied G times) and the GRPO
      loss (grpo_math.grpo_loss: grpo_objective with TRL's options); backward; one AdamW step (DeepSpeed's
      engine.step(), through simple_grpo/trainer/update.py's optimizer_step: --lr, --adam_beta1, --adam_beta2,
      --adam_epsilon, --weight_decay, --max_grad_norm). --num_iterations > 1 repeats 4 on the same rollouts

@@ -148,14 +148,18 @@ def test_shared_prompt_logps_and_gradients_equal_one_forward_per_sequence():
     assert torch.allclose(shared_grad, naive_grad, atol=1e-4)
 
 
-def test_the_plain_log_probs_grpo_train_reads_equal_the_fast_ones():
-    """grpo_math.completion_logps (one forward, log_softmax, gather: grpo_train.py's) and
-    simple_grpo.logprobs.sequence_logps (shared prompt, chunked: grpo_vllm_one.py's) give the same
-    log-probs, gradients and entropies, left padding included."""
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_lessons_log_probs_equal_the_full_trainers(checkpointing):
+    """grpo_math.completion_logps (the lessons' and ref_server.py's: each prompt once on a copied KV cache, one
+    log_softmax; under gradient checkpointing in training, one plain forward over prompt + completion) and
+    simple_grpo.logprobs.sequence_logps (the full trainer's: the log-softmax chunked) give the same log-probs,
+    gradients and entropies, left padding included."""
     from transformers import AutoModelForCausalLM
     from grpo_math import completion_logps
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained("models/tiny-math", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained("models/tiny-math", dtype=torch.float32).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
     prompt_ids, completion_ids = torch.randint(10, 500, (2, 9)), torch.randint(10, 500, (6, 5))
     prompt_mask = torch.ones(2, 9, dtype=torch.long)
     prompt_mask[1, :4] = 0  # the second prompt is shorter: left padding
@@ -167,6 +171,8 @@ def test_the_plain_log_probs_grpo_train_reads_equal_the_fast_ones():
     assert torch.allclose(plain, fast, atol=1e-5)
     assert torch.allclose(plain_grad, fast_grad, atol=1e-4)
     assert torch.allclose(plain_entropy, fast_entropy, atol=1e-4)  # near 0 the two formulas round apart
+    one, _ = completion_logps(model, prompt_ids, prompt_mask, completion_ids[:, :1], 0.7)  # one token: no 2nd pass
+    assert torch.allclose(one, fast[:, :1], atol=1e-5)
 
 
 def test_completions_must_split_evenly_over_prompts():
