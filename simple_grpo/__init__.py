@@ -2,8 +2,8 @@
 grpo_vllm_one.py, ref_server.py), a folder for each part of the three-process picture: task/ (problems,
 prompts, rewards), trainer/ (flags, the GRPO update, DeepSpeed, the memory plan), generation/ (samplers,
 workers, the weight channel), run/ (run directory, logs, checkpoints, doctor); and shared by all: flags.py,
-protocol.py (the wire format, the ref server's flags, its fingerprint), http_server.py (the ref server's HTTP
-side), devices.py, rollouts.py, evaluation.py. Imports go down (scripts import this package, it imports
-grpo_math.py and triton_loss/, never a script), and the generation side and the trainer side never import each other
-(tests/test_layering.py).
+protocol.py (the wire format, the ref servers' flags, the fingerprint), http_server.py (regroup_ver/'s server's
+HTTP side; ref_server.py copies what it needs of both), devices.py, rollouts.py, evaluation.py. Imports go down
+(scripts import this package, it imports grpo_math.py and triton_loss/, never a script), and the generation side
+and the trainer side never import each other (tests/test_layering.py).
 """

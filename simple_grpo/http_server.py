@@ -1,5 +1,5 @@
-"""The reference servers' HTTP side (ref_server.py's, regroup_ver/'s): a shared token, /health, checked uploads,
-bounded connections. Each refusal is a 4xx with a one-line JSON reason."""
+"""regroup_ver/'s reference server's HTTP side (ref_server.py, a lesson file, holds its own copy): a shared token,
+/health, checked uploads, bounded connections. Each refusal is a 4xx with a one-line JSON reason."""
 import hmac
 import ipaddress
 import json

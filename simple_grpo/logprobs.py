@@ -89,8 +89,8 @@ def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, temperature=1
 
 @torch.inference_mode()
 def load_reference(cfg):
-    """The reference server's frozen model (cfg: protocol.ServerConfig), in evaluation mode with no gradients;
-    cfg.device and cfg.dtype "auto" resolved here: the first visible GPU in bf16, else the CPU in fp32."""
+    """regroup_ver/'s reference server's frozen model (cfg: protocol.ServerConfig), in evaluation mode with no
+    gradients; cfg.device and cfg.dtype "auto" resolved here: the first visible GPU in bf16, else the CPU in fp32."""
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(cfg.threads)
     cfg.device = auto_device(cfg.device)

@@ -217,7 +217,7 @@ def check_reference(cfg):
                      "reference is meant.")
 
 
-# ---------------------------------------------------------------------------- the reference server's flags
+# ----------------------------------------- regroup_ver/'s reference server's flags (ref_server.py's Config copies them)
 @dataclass
 class ServerConfig:
     model: str = flag("models/tiny-math", "the reference model (usually the policy's starting point)")

@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # every command line built from a config dataclass: (module, the dataclass)
-COMMAND_LINES = [("grpo_train", "Config"), ("grpo_vllm_one", "Config"), ("ref_server", "ServerConfig"),
+COMMAND_LINES = [("grpo_train", "Config"), ("grpo_vllm_one", "Config"), ("ref_server", "Config"),
                  ("evaluate", "EvalConfig"), ("simple_grpo.run.report", "ViewConfig"),
                  ("regroup_ver.ref_server_regroup", "RegroupConfig"),
                  ("tools.explain_step", "ExplainConfig"), ("tools.probe", "ProbeConfig"),

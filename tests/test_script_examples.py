@@ -7,8 +7,8 @@ import pytest
 
 import grpo_train
 import grpo_vllm_one
+import ref_server
 from simple_grpo.flags import parse_flags
-from simple_grpo.protocol import ServerConfig
 from simple_grpo.trainer.config import default_ref_url
 
 
@@ -32,7 +32,7 @@ def test_the_docstrings_example_commands_parse_and_each_trainer_is_served_its_ow
     server = None  # the server the lines above started
     for script, flags in commands:
         if script == "ref_server.py":
-            server = parse_flags(ServerConfig, args=flags)
+            server = ref_server.parse_flags(flags)
             continue
         assert script == trainer, f"{trainer}'s docstring runs {script}"
         cfg = parse_flags(module.Config, args=flags)
