@@ -150,7 +150,7 @@ def test_shared_prompt_logps_and_gradients_equal_one_forward_per_sequence():
 
 def test_the_plain_log_probs_grpo_train_reads_equal_the_fast_ones():
     """grpo_math.completion_logps (one forward, log_softmax, gather: grpo_train.py's) and
-    simple_grpo.logprobs.sequence_logps (shared prompt, chunked: grpo_vllm_one.py's) give the same
+    simple_grpo.logprobs.sequence_logps (shared prompt, chunked: simple_grpo/train.py's) give the same
     log-probs, gradients and entropies, left padding included."""
     from transformers import AutoModelForCausalLM
     from grpo_math import completion_logps
@@ -226,7 +226,7 @@ def test_the_one_screen_objective_equals_grpo_loss_on_random_inputs():
     (grad_theirs,) = torch.autograd.grad(theirs, logps)
     assert mine.item() == pytest.approx(theirs.item(), abs=1e-6)
     assert torch.allclose(grad_mine, grad_theirs, atol=1e-7)
-    # the demo's trainer (grpo_vllm_one.py): vLLM's log-probs weight each token, capped at tis_cap
+    # the demo's trainer (simple_grpo/train.py): vLLM's log-probs weight each token, capped at tis_cap
     sampler = old + 0.5 * torch.randn(Q * G, C, generator=g)
     mine = grpo_objective(logps, old, ref, rewards, mask, G, sampler_logps=sampler, tis_cap=2.0)
     (grad_mine,) = torch.autograd.grad(mine, logps)
