@@ -1,6 +1,6 @@
 # Two commands do the whole set-up on a fresh machine (Python 3.11 and pip):
 #   make demo   the main job: GRPO on the tiny default world, before/after (CPU is fine; SEED=1 for another
-#               seed, TRAINER=grpo_train for the simple trainer instead of grpo_vllm_one, LORA=1 for adapters)
+#               seed, TRAINER=grpo_train for the simple trainer instead of the full one, LORA=1 for adapters)
 #   make demo-real   a real pretrained model (SmolLM2-135M-Instruct) learns on this CPU (SEED=1 for another seed)
 #   make test   the test suite (what CI runs); `make test-all` adds the slow end-to-end tests
 #   make test-gpu   checks a GPU machine in one command (tests/test_gpu.py, ~20 min; skips where CUDA is absent;
@@ -17,16 +17,17 @@ install:
 # N: SEED; environment: tools/launch.py's child_env):
 #   python evaluate.py --model models/tiny-math --dataset data/toy_math/test.jsonl --json          # before
 #   python ref_server.py --model models/tiny-math --port PORT --threads 2 &      # waits until its /health answers
-#   python grpo_vllm_one.py --ref_url http://127.0.0.1:PORT --lr 1e-4 --run_name demo_vllm_seedN --overwrite \
-#       --seed N --steps 650        # every other flag at its default; it starts its vLLM worker itself
+#   python -m simple_grpo.train --ref_url http://127.0.0.1:PORT --lr 1e-4 --run_name demo_vllm_seedN \
+#       --overwrite --seed N --steps 650  # every other flag at its default; it starts its vLLM worker itself
 #   (the ref server is stopped once the trainer ends)
 #   python evaluate.py --model runs/demo_vllm_seedN/step_650 --dataset data/toy_math/test.jsonl --json   # after
 #   python tools/view_run.py runs/demo_vllm_seedN                                  # runs/demo_vllm_seedN/report.html
-# TRAINER=grpo_train: grpo_train.py, into runs/demo_seedN. LORA=1: no ref server, and
-# --use_peft --lora_target_modules all-linear --lr 3e-4 in place of --ref_url and --lr (runs/demo_lora_vllm_seedN).
+# TRAINER=grpo_train: grpo_train.py, into runs/demo_seedN; TRAINER=grpo_vllm_one: the lesson. LORA=1: no ref
+# server, and --use_peft --lora_target_modules all-linear --lr 3e-4 in place of --ref_url and --lr
+# (runs/demo_lora_vllm_seedN).
 # One step of it, read: docs/guide.md, "Reading one step of make demo".
 SEED ?= 0
-TRAINER ?= grpo_vllm_one
+TRAINER ?= full
 LORA ?=
 demo: install
 	$(PY) tools/demo.py --seed $(SEED) --trainer $(TRAINER) $(if $(LORA),--lora)
@@ -47,17 +48,18 @@ test-all: install
 	$(PY) -m pytest -q
 
 # The GPU tests (tests/test_gpu.py) and their summary; -rs prints why they skip where there is no CUDA.
-# PART=1 the vLLM tests (the weight-sync checks on both runners, grpo_vllm_one.py), PART=2 the rest: each fits one
-# lent GPU visit (~6 and ~3 minutes on an H100), and the two together are the whole file.
+# PART=1 the vLLM tests (the weight-sync checks on both runners, simple_grpo/train.py), PART=2 the rest: each fits
+# one lent GPU visit (~6 and ~3 minutes on an H100), and the two together are the whole file.
 PART ?=
 GPU_PART_1 := -k vllm
 GPU_PART_2 := -k "not vllm"
 test-gpu: install
 	$(PY) -m pytest -q -rs -m gpu tests/test_gpu.py $(if $(PART),$(or $(GPU_PART_$(PART)),$(error PART=$(PART): use 1 or 2)))
 
-# A GRPO step of grpo_vllm_one.py at the sizes people train, random weights, against the memory plan
-# (bench/gpu_scale.py, docs/gpu_notes.md) on a GPU: SIZE=0.5b full, 3b full with offload and checkpointing, 7b
-# LoRA with checkpointing (no SIZE: 0.5b); without CUDA no SIZE, the tiny model's shape on the CPU (STEPS=2).
+# A GRPO step of the full trainer (simple_grpo/train.py) at the sizes people train, random weights, against the
+# memory plan (bench/gpu_scale.py, docs/gpu_notes.md) on a GPU: SIZE=0.5b full, 3b full with offload and
+# checkpointing, 7b LoRA with checkpointing (no SIZE: 0.5b); without CUDA no SIZE, the tiny model's shape on the CPU
+# (STEPS=2).
 # It prints the step's split, MFU and HFU, and the update's phases; LENGTHS=700,300 runs it at each completion
 # limit (300 stands for a trained model's shorter answers). The GPU targets, all in one: bench/gpu_targets.sh
 SIZE ?=
@@ -77,7 +79,7 @@ bench-trl: install
 # The same on SmolLM2-135M-Instruct, make demo-real's recipe (docs/real_model.md); its warm start is made first (cached).
 bench-trl-real: smollm2
 	@bash tools/install.sh requirements-bench.txt
-	$(PY) bench/compare_trl.py --world smollm2 --steps 20 --skip 3 --lengths 64 --systems trl,grpo_vllm_one
+	$(PY) bench/compare_trl.py --world smollm2 --steps 20 --skip 3 --lengths 64 --systems trl,full
 
 # A GRPO step with LoRA and without (README "LoRA"): the tiny model, then SmolLM2-135M with rewards it can earn.
 bench-lora: smollm2

@@ -79,7 +79,7 @@ def check_one_process(cfg):
                         (cfg.loss_impl != "torch", f"--loss_impl {cfg.loss_impl}")):
         if asked:
             raise SystemExit(f"{what}: grpo_train.py keeps one step simple (one process, one forward per update); "
-                             "grpo_vllm_one.py has it, with the same flags")
+                             "python -m simple_grpo.train has it, with the same flags")
 
 
 def main(cfg: Config):

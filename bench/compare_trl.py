@@ -1,10 +1,11 @@
-"""bench/compare_trl.py: TRL's GRPOTrainer against grpo_train.py and grpo_vllm_one.py, same work, on CPU.
+"""bench/compare_trl.py: TRL's GRPOTrainer against grpo_train.py and the full trainer (simple_grpo/train.py), same
+work, on CPU.
 
     bash tools/install.sh requirements-bench.txt   # TRL, for this benchmark only (make bench-trl does both)
     python bench/compare_trl.py [--steps 30] [--skip 3] [--lengths 32,256] \\
-        [--systems trl,grpo_train,grpo_vllm_one] [--gen_workers 1,2] [--gen_compile on] > compare_trl.jsonl
-    python bench/compare_trl.py --world smollm2 --steps 20 --skip 3 --lengths 64 --systems trl,grpo_vllm_one
-    python bench/compare_trl.py --world smollm2 --start DIR --steps 20 --skip 3 --lengths 64 --systems trl,grpo_vllm_one
+        [--systems trl,grpo_train,full] [--gen_workers 1,2] [--gen_compile on] > compare_trl.jsonl
+    python bench/compare_trl.py --world smollm2 --steps 20 --skip 3 --lengths 64 --systems trl,full
+    python bench/compare_trl.py --world smollm2 --start DIR --steps 20 --skip 3 --lengths 64 --systems trl,full
 
 --world smollm2 gives every system make demo-real's warm-started SmolLM2-135M-Instruct and its recipe
 instead (world_settings below); what follows describes the tiny world. --start DIR gives every system the
@@ -26,17 +27,18 @@ Each system runs in its fastest configuration for this CPU:
                  same process, 2 torch threads, one micro-batch of 64 per step,
                  gradient checkpointing off (--trl_gradient_checkpointing; TRL's default is on)
   grpo_train     its defaults (2 threads), with its reference server (bench/harness.py)
-  grpo_vllm_one  its defaults (1 trainer thread, each vLLM worker on a core of its own) and
+  full           (python -m simple_grpo.train; grpo_vllm_one: the lesson script, the same but --gen_workers)
+                 its defaults (1 trainer thread, each vLLM worker on a core of its own) and
                  --gen_compile (vLLM's model compiled: ~25 s more start-up, excluded, for 10-20% faster
                  sampling; --gen_compile off: eager), with its reference server; --gen_workers 1,2 runs it
                  once per worker count (2: a second worker on the trainer's core), reported as
-                 grpo_vllm_one and grpo_vllm_one_k2
+                 full and full_k2
 All run with OMP_WAIT_POLICY=PASSIVE (as tools/demo.py): with the default, spinning OpenMP threads
 made TRL's generate ~10x slower whenever anything else ran on the 2 cores. Gradient checkpointing
 costs TRL ~15-40% more CPU time per forward/backward of this model, with no memory it needs to save.
 Differences that stay: our trainers drop groups whose 8 rewards are all equal before the
 reference log-probs and the update (TRL trains on every group; such a group adds only its KL
-term there); grpo_vllm_one samples the next batch while the trainer steps, with weights one
+term there); full samples the next batch while the trainer steps, with weights one
 step old; TRL computes the reference log-probs in its own process, ours in the reference server.
 
 Prints one JSON line per system and length, on stdout (all logs go to stderr):
@@ -67,7 +69,8 @@ from tools import smollm2_recipe  # noqa: E402
 from tools.launch import MODEL, child_env, evaluate, smollm2_warm_start  # noqa: E402
 from simple_grpo.task.problems import SYSTEM_PROMPT  # noqa: E402
 
-SYSTEMS = ("trl", "grpo_train", "grpo_vllm_one")
+SYSTEMS = ("trl", "grpo_train", "full", "grpo_vllm_one")  # ours: tools/launch.py's TRAINER_ARGS
+VLLM_TRAINERS = ("full", "grpo_vllm_one")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # any one makes a tokenizer
 
 
@@ -212,8 +215,9 @@ def run_ours(trainer, completion_len, steps, skip, env, seed, world, w, gen_work
     flags += ["--use_peft", "--lora_target_modules", smollm2_recipe.LORA_TARGETS] if w["lora"] else []
     flags += w["ours"]  # smollm2: the recipe's trainer threads
     flags += extra
-    if trainer == "grpo_vllm_one":
-        flags += ["--max_model_len", "512", "--gen_workers", str(gen_workers)]  # the tiny model's context length
+    if trainer in VLLM_TRAINERS:
+        flags += ["--max_model_len", "512"]  # the tiny model's context length
+        flags += ["--gen_workers", str(gen_workers)] if trainer == "full" else []  # the lesson has one worker
         flags += ["--gen_compile"] if gen_compile else []
     name = (f"bench_{trainer}_{'' if world == 'tiny' else world + '_'}L{completion_len}"
             + (f"_k{gen_workers}" if gen_workers > 1 else ""))
@@ -223,7 +227,7 @@ def run_ours(trainer, completion_len, steps, skip, env, seed, world, w, gen_work
     result.pop("trainer")
     result["peak_rss_trainer_mb"] = result["peak_rss_mb"]
     result["peak_rss_mb"] = result.pop("peak_rss_with_ref_mb")  # TRL's figure holds its reference model too
-    if trainer == "grpo_vllm_one":
+    if trainer in VLLM_TRAINERS:
         result["gen_compile"] = gen_compile
     return result
 
@@ -240,11 +244,11 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--skip", type=int, default=3, help="first steps left out of the timings")
     ap.add_argument("--lengths", default="32,256", help="completion lengths in tokens")
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--systems", default="trl,grpo_train,full", help=f"of {', '.join(SYSTEMS)}")
     ap.add_argument("--trl_gradient_checkpointing", default="off", choices=["off", "on"])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--gen_workers", default="1", help="grpo_vllm_one's generation worker counts, e.g. 1,2")
-    ap.add_argument("--gen_compile", default="on", choices=["on", "off"], help="grpo_vllm_one's --gen_compile")
+    ap.add_argument("--gen_workers", default="1", help="full's generation worker counts, e.g. 1,2")
+    ap.add_argument("--gen_compile", default="on", choices=["on", "off"], help="the vLLM trainers' --gen_compile")
     ap.add_argument("--ours_flags", default="", help="more flags for our trainers, e.g. \"--max_policy_lag 0\"")
     ap.add_argument("--world", default="tiny", choices=["tiny", "smollm2"],
                     help="tiny: the tiny default model; smollm2: make demo-real's warm-started SmolLM2 and recipe")
@@ -279,7 +283,7 @@ def main(argv=None):
     if set(systems) - {"trl"}:
         build_deepspeed_ops(env)
     worker_counts = [int(k) for k in args.gen_workers.split(",")]
-    runs = [(s, k) for s in systems for k in (worker_counts if s == "grpo_vllm_one" else [1])]
+    runs = [(s, k) for s in systems for k in (worker_counts if s == "full" else [1])]
     speed = {}
     for completion_len in lengths:
         for system, k in runs:

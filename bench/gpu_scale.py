@@ -1,4 +1,5 @@
-"""bench/gpu_scale.py: what one GRPO step of grpo_vllm_one.py costs at a given model size, against the memory plan.
+"""bench/gpu_scale.py: what one GRPO step of the full trainer (simple_grpo/train.py) costs at a given model size,
+against the memory plan.
 
     python bench/gpu_scale.py --config configs/qwen2.5-0.5b                        # (a) full
     python bench/gpu_scale.py --config configs/qwen2.5-3b -- --offload_optimizer --gradient_checkpointing   # (b)
@@ -7,7 +8,7 @@
     python bench/gpu_scale.py --config configs/qwen2.5-3b --lengths 700,300 -- --offload_optimizer ...  # two lengths
 
 It builds a random-weight model shaped like a configs/ entry (without CUDA: like models/tiny-math) with the tiny
-tokenizer, cached in --out; ids past the tokenizer's vocabulary decode to nothing. Then grpo_vllm_one.py runs
+tokenizer, cached in --out; ids past the tokenizer's vocabulary decode to nothing. Then simple_grpo.train runs
 --steps steps at the GSM8K recipe's batch (recipes/gsm8k.sh: 8 prompts x 8 completions of up to 700 new tokens,
 temperature 0.9, one group per forward/backward, bf16, ZeRO-2), vLLM on the trainer's GPU with the share the
 memory plan says it needs (its least_gen_memory), and the reference in a ref server on the same GPU (--lora:
@@ -186,11 +187,11 @@ def matmul_tflops(device, dtype):
 
 
 def plan(flags, gpu_gb):
-    """The trainer's own memory plan for these flags (grpo_vllm_one.py --plan): its JSON line."""
-    out = subprocess.run([sys.executable, "grpo_vllm_one.py", "--plan", "--plan_gpu_gb", str(gpu_gb), *flags],
+    """The trainer's own memory plan for these flags (python -m simple_grpo.train --plan): its JSON line."""
+    out = subprocess.run([sys.executable, "-m", "simple_grpo.train", "--plan", "--plan_gpu_gb", str(gpu_gb), *flags],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
-        raise SystemExit(f"grpo_vllm_one.py --plan failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+        raise SystemExit(f"simple_grpo.train --plan failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
     print(out.stdout, file=sys.stderr)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -282,13 +283,13 @@ def main(cfg, extra):
     try:
         t0 = time.time()
         profile = ["--profile_step", str(cfg.steps)] if cuda else []  # the last step's GPU idle seconds
-        trainer = subprocess.Popen([sys.executable, "grpo_vllm_one.py", *flags, *profile, "--time_phases",
+        trainer = subprocess.Popen([sys.executable, "-m", "simple_grpo.train", *flags, *profile, "--time_phases",
                                     "--steps", str(cfg.steps),
                                     "--save_every", str(cfg.steps), "--log_completions_every", "0",
                                     "--run_name", cfg.run_name, "--overwrite"], cwd=ROOT, env=env)
         host_peak, host_peak_with_server = wait_peak_rss(trainer, also=server, measure=tree_pss)
         if trainer.returncode != 0:
-            raise SystemExit(f"grpo_vllm_one.py failed with exit code {trainer.returncode}")
+            raise SystemExit(f"simple_grpo.train failed with exit code {trainer.returncode}")
         print(f"gpu_scale: {cfg.steps} steps in {time.time() - t0:.0f} s with start-up and the final save",
               file=sys.stderr)
         server_stats = requests.get(ref_url + "/stats", timeout=10).json() if server else None

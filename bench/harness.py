@@ -9,8 +9,8 @@ import time
 
 import psutil
 
-from grpo_vllm_one import Config
-from tools.launch import ROOT, TINY_WORLD_FLAGS, evaluate, free_port, start_ref_server, stop
+from simple_grpo.train import Config
+from tools.launch import ROOT, TINY_WORLD_FLAGS, TRAINER_ARGS, evaluate, free_port, start_ref_server, stop
 from simple_grpo.run.checkpoints import runs_root
 from simple_grpo.run.metrics import read_metrics
 from simple_grpo.trainer.deepspeed_engine import clear_stale_build_locks
@@ -22,7 +22,7 @@ LR, BETA, TEMPERATURE = 1e-4, 0.04, 0.7
 REWARD_WEIGHTS = {"correctness": 1.0, "format": 0.5}
 
 
-SamplerConfig = Config  # the flags grpo_vllm_one.py's worker reads: what the benches that start vLLM pass to sample
+SamplerConfig = Config  # the flags the full trainer's worker reads: what the benches that start vLLM pass to sample
 
 
 def tree_sum(proc, memory):
@@ -74,21 +74,22 @@ def build_deepspeed_ops(env):
 
 
 def run(trainer, steps, skip, env, extra, run_name=None, ref_server=True, eval_args=()):
-    """A trainer's run of `steps` (tiny world flags, then `extra`), with its own reference server unless
-    ref_server is False (beta 0, or LoRA's base as the reference); timed, its peak memory sampled, evaluated."""
+    """A trainer's run (its name in TRAINER_ARGS) of `steps` (tiny world flags, then `extra`), with its own
+    reference server unless ref_server is False (beta 0, or LoRA's base as the reference); timed, its peak memory
+    sampled, evaluated."""
     port = free_port()
     server = start_ref_server(port, env) if ref_server else None
     run_name = run_name or f"bench_{trainer}"
     try:
         t0 = time.time()
-        proc = subprocess.Popen([sys.executable, f"{trainer}.py", *(["--ref_url", f"http://127.0.0.1:{port}"]
-                                                                    if server else []),
+        proc = subprocess.Popen([sys.executable, *TRAINER_ARGS[trainer], *(["--ref_url", f"http://127.0.0.1:{port}"]
+                                                                           if server else []),
                                  "--run_name", run_name, "--overwrite", "--steps", str(steps),
                                  "--save_every", str(steps), *TINY_WORLD_FLAGS, *extra],
                                 cwd=ROOT, env=env)
         peak, peak_with_ref = wait_peak_rss(proc, also=server)
         if proc.returncode != 0:
-            raise SystemExit(f"{trainer}.py failed with exit code {proc.returncode}")
+            raise SystemExit(f"{' '.join(TRAINER_ARGS[trainer])} failed with exit code {proc.returncode}")
         print(f"{trainer}: {steps} steps in {time.time() - t0:.0f} s with start-up", file=sys.stderr)
     finally:
         stop(server)

@@ -2,7 +2,7 @@
 
     python bench/regroup.py [--completions 19200] [--seed 0]
 
-base:    ref_server.py + grpo_vllm_one.py; groups whose answers all scored alike are dropped.
+base:    ref_server.py + python -m simple_grpo.train; groups whose answers all scored alike are dropped.
 regroup: regroup_ver/ref_server_regroup.py + regroup_ver/grpo_regroup.py; they are pooled and
          their questions asked once more, and groups with mixed rewards are formed from the pools.
 Each trainer stops once its worker has generated --completions completions
@@ -25,24 +25,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from simple_grpo.run.metrics import read_metrics  # noqa: E402
 from simple_grpo.run.checkpoints import runs_root  # noqa: E402
-from tools.launch import TINY_WORLD_FLAGS, child_env, evaluate, free_port, start_ref_server  # noqa: E402
+from tools.launch import TINY_WORLD_FLAGS, TRAINER_ARGS, child_env, evaluate, free_port, start_ref_server  # noqa: E402
 
-PIPELINES = {"base": ("ref_server.py", "grpo_vllm_one.py"),
-             "regroup": ("regroup_ver/ref_server_regroup.py", "regroup_ver/grpo_regroup.py")}
+PIPELINES = {"base": ("ref_server.py", TRAINER_ARGS["full"]),  # the server, the trainer's args after python
+             "regroup": ("regroup_ver/ref_server_regroup.py", ["regroup_ver/grpo_regroup.py"])}
 
 
 def run(pipeline, completions, seed, env):
-    server_script, trainer_script = PIPELINES[pipeline]
+    server_script, trainer_args = PIPELINES[pipeline]
     port, run_name = free_port(), f"bench_regroup_{pipeline}"
     server = start_ref_server(port, env, script=server_script)
     t0 = time.time()
     try:
-        subprocess.run([sys.executable, trainer_script, "--ref_url", f"http://127.0.0.1:{port}",
+        subprocess.run([sys.executable, *trainer_args, "--ref_url", f"http://127.0.0.1:{port}",
                         "--run_name", run_name, "--overwrite", "--seed", str(seed),
                         "--steps", "100000", "--save_every", "100000",
                         "--max_completions", str(completions), *TINY_WORLD_FLAGS], cwd=ROOT, env=env, check=True)
     except subprocess.CalledProcessError as e:
-        raise SystemExit(f"{trainer_script} failed with exit code {e.returncode}") from None
+        raise SystemExit(f"{' '.join(trainer_args)} failed with exit code {e.returncode}") from None
     finally:
         server.terminate()
         server.wait(timeout=30)

@@ -8,7 +8,7 @@
 #   tests/test_trainer_options.py::test_the_gsm8k_recipe_runs_two_steps_on_cpu_with_the_tiny_model)
 #
 # GPU 0: the reference server (python ref_server.py); GPU 1: vLLM, which generates while
-# GPU 2 trains with DeepSpeed ZeRO-2 (deepspeed grpo_vllm_one.py); then evaluate.py on the test split.
+# GPU 2 trains with DeepSpeed ZeRO-2 (deepspeed --module simple_grpo.train); then evaluate.py on the test split.
 # Every variable below can be set from the environment; docs/guide.md, "The GSM8K recipe (GPU)", explains them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,7 +61,7 @@ else
     launch=($DEEPSPEED --num_gpus 1)  # CPU: one rank
     gen_flags=()  # vLLM on CPU cores (--gen_device is refused where there is no GPU)
 fi
-"${launch[@]}" grpo_vllm_one.py --model "$MODEL" "${data_flags[@]}" --run_name "$RUN" \
+"${launch[@]}" --module simple_grpo.train --model "$MODEL" "${data_flags[@]}" --run_name "$RUN" \
     --ref_url "http://127.0.0.1:$PORT" "${gen_flags[@]}" --zero_stage 2 \
     --steps "$STEPS" --lr "$LR" --batch_prompts "$BATCH_PROMPTS" --num_generations "$NUM_GENERATIONS" \
     --max_new_tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --beta "$BETA" \

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from grpo_math import completion_mask, group_advantages  # noqa: E402
-from grpo_vllm_one import Config  # noqa: E402
+from simple_grpo.train import Config  # noqa: E402
 from simple_grpo.logprobs import sequence_logps  # noqa: E402
 from simple_grpo.trainer.config import check_options  # noqa: E402
 from simple_grpo.trainer.deepspeed_engine import make_engine  # noqa: E402

@@ -1,4 +1,4 @@
-"""What grpo_vllm_one.py's own code allocates on this CPU in each phase of a step that the memory plan has a row for,
+"""What the full trainer's own code allocates on this CPU in each phase of a step that the memory plan has a row for,
 for tests/test_memory_plan.py: a random model with a few small layers (and Qwen2.5's vocabulary of 151,936 ids, or
 a small one), a real DeepSpeed engine (make_engine), one warm-up step, then the peak bytes above each phase's start
 of the LoRA reference pass (reference_logps), the update (grpo_update: log-probs, loss, backward) and the weight
@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from grpo_math import completion_mask  # noqa: E402
-from grpo_vllm_one import Config  # noqa: E402
+from simple_grpo.train import Config  # noqa: E402
 from simple_grpo.flags import parse_flags  # noqa: E402
 from simple_grpo.generation import weight_sync  # noqa: E402
 from simple_grpo.generation.weight_sync import merged_weights  # noqa: E402

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 from grpo_math import completion_mask  # noqa: E402
-from grpo_vllm_one import Config  # noqa: E402
+from simple_grpo.train import Config  # noqa: E402
 from simple_grpo.generation.vllm_sampler import sample, start_vllm, stop_vllm  # noqa: E402
 from simple_grpo.generation.weight_sync import load_weights  # noqa: E402
 from simple_grpo.logprobs import sequence_logps  # noqa: E402
@@ -31,7 +31,7 @@ policy = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, dt
 with torch.no_grad():  # the "trained" weights: a clear change, tied embeddings included
     for p in policy.parameters():
         p.add_(0.02 * torch.randn_like(p))
-load_weights(llm, policy.state_dict())  # in memory, from the policy's own tensors, as grpo_vllm_one's worker loads them
+load_weights(llm, policy.state_dict())  # in memory, from the policy's own tensors, as the trainer's worker loads them
 tok = llm.get_tokenizer()
 prompts = [make_prompt(tok, p["question"]) for p in load_jsonl(cfg.dataset)[:4]]
 prompt_rows, completion_ids, sampler_logps = sample(llm, prompts, cfg)

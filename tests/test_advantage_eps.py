@@ -1,6 +1,6 @@
 """--advantage_eps, the trainers' flag (simple_grpo/trainer/config.py), moves the advantages: a group's are
 (r - mean) / (std + eps), so where its rewards barely differ (std 0.001) eps 1e-4 -> 0.01 makes them 10x smaller,
-and where they differ by a reward step (std ~0.5) a few percent. Shown through the flag parser and grpo_vllm_one.py's
+and where they differ by a reward step (std ~0.5) a few percent. Shown through the flag parser and the full trainer's
 make_groups (fast), and through a real step of grpo_train.py, whose completions log holds the advantages it trained
 on (slow). (The regrouping server's own --advantage_eps: tests/test_regroup.py.)"""
 import os
@@ -28,7 +28,7 @@ def expected(rewards, G, eps):
 
 
 def test_the_fast_trainers_groups_get_advantages_that_follow_advantage_eps():
-    from grpo_vllm_one import Config
+    from simple_grpo.train import Config
     Q, G, C, STOP = 2, 4, 5, 2  # STOP: the tiny model's <|im_end|>
     rewards = torch.tensor([0.5, 0.5, 0.5, 0.502,  # std 0.001: eps decides the scale
                             1.5, 0.0, 1.5, 0.0])  # std 0.87: eps barely matters
@@ -37,9 +37,9 @@ def test_the_fast_trainers_groups_get_advantages_that_follow_advantage_eps():
     prompt_rows = [torch.tensor([5, 6, q]) for q in range(Q)]
 
     def advantages(*flags):
-        cfg = parse_flags(Config, args=list(flags))  # grpo_vllm_one.py's command line
+        cfg = parse_flags(Config, args=list(flags))  # simple_grpo/train.py's command line
         check_options(cfg)
-        # the generation worker's call (grpo_vllm_one.py's gen_worker: GRPO 2.)
+        # the generation worker's call (simple_grpo/train.py's gen_worker: GRPO 2.)
         groups, _ = make_groups(prompt_rows, completion_ids, completion_mask(completion_ids, STOP), rewards, G, {},
                                 keep_equal=cfg.regroup, scale_rewards=cfg.scale_rewards,
                                 estimator=cfg.advantage_estimator, eps=cfg.advantage_eps)

@@ -61,7 +61,7 @@ def test_every_system_gets_the_start(start, monkeypatch, no_warm_start):
         ours[trainer] = flags
         return {"trainer": trainer, "peak_rss_mb": 1, "peak_rss_with_ref_mb": 2}
     monkeypatch.setattr(compare_trl, "run", fake_run)
-    for trainer in ("grpo_train", "grpo_vllm_one"):
+    for trainer in ("grpo_train", "full", "grpo_vllm_one"):
         compare_trl.run_ours(trainer, 64, 20, 3, {}, 0, "smollm2", w)
         assert ours[trainer][ours[trainer].index("--model") + 1] == start
 

@@ -137,7 +137,7 @@ def test_the_report_records_the_steps_each_arm_trained_the_commit_the_start_and_
     control_argv = ["tools/warm_start.py", "--model", str(start), "--out", str(control), "--steps",
                     str(control_steps(2))]
     tiny_warm_start(control, "--steps", control_steps(2))
-    commands = {"start": ["--steps", "2"], "grpo": ["grpo_vllm_one.py", "--steps", "2"], "control": control_argv}
+    commands = {"start": ["--steps", "2"], "grpo": ["-m", "simple_grpo.train", "--steps", "2"], "control": control_argv}
     record = provenance(str(start), str(control), commands, {"grpo": 2, "raft": 2})
     assert record["steps"] == {"grpo": 2, "raft": 2, "control": 3}  # the control's as its warm_start.json counts
     assert record["control_steps_derivation"].startswith("round(2 GRPO steps x 1.5") and \

@@ -110,9 +110,9 @@ def test_most_completions_cut_off(tmp_path):
 
 
 def test_completions_vllms_context_ended_are_named_at_once(tmp_path):
-    """A completion vLLM ended at --max_model_len (context_cut_frac, grpo_vllm_one's) is a setting's doing, not the
+    """A completion vLLM ended at --max_model_len (context_cut_frac, the full trainer's) is a setting's doing, not the
     policy's: the truncated rule speaks at its first step, naming the context and each cause's share."""
-    from grpo_vllm_one import Config as VllmConfig
+    from simple_grpo.train import Config as VllmConfig
     d = RunDoctor(VllmConfig(doctor_window=4, max_new_tokens=48, max_model_len=150), str(tmp_path / "metrics.jsonl"))
     records = [healthy(1, truncated_frac=0.5, context_cut_frac=0.375)] + [healthy(s) for s in range(2, 4)]
     assert run_steps(d, records) == ["truncated"]
@@ -169,7 +169,7 @@ def test_quiet_on_the_tiny_demos_healthy_metrics(tmp_path):
 def trainer(*flags, timeout=600):
     t0 = time.time()
     env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}  # a vLLM in this process may set it
-    out = subprocess.run([sys.executable, "grpo_vllm_one.py", "--reward_file", "tests/never_rewards.py",
+    out = subprocess.run([sys.executable, "-m", "simple_grpo.train", "--reward_file", "tests/never_rewards.py",
                           "--reward_funcs", "never", "--reward_weights", "1", "--batch_prompts", "4",
                           "--num_generations", "4", "--doctor_window", "4", "--steps", "3", *flags], cwd=ROOT,
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
@@ -178,7 +178,7 @@ def trainer(*flags, timeout=600):
 
 @pytest.fixture(scope="module")
 def no_signal_stop():
-    """grpo_vllm_one.py with a reward never earned and --stop_on no_signal: its output (stdout and stderr)."""
+    """simple_grpo/train.py with a reward never earned and --stop_on no_signal: its output (stdout and stderr)."""
     out, seconds = trainer("--beta", "0", "--stop_on", "no_signal", "--run_name", "test_no_signal_stop")
     return out, seconds
 

@@ -175,7 +175,7 @@ def test_a_non_finite_loss_or_gradient_skips_the_update_and_leaves_the_weights()
 @pytest.mark.parametrize("signals", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_sigterm_stops_the_trainer_and_every_process_it_started(server, signals):  # noqa: F811
     run = fresh(f"test_sigterm_{signals}")
-    trainer = subprocess.Popen([sys.executable, "grpo_vllm_one.py", "--ref_url", server, "--steps", "100",
+    trainer = subprocess.Popen([sys.executable, "-m", "simple_grpo.train", "--ref_url", server, "--steps", "100",
                                 "--run_name", run, "--batch_prompts", "4"], cwd=ROOT,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

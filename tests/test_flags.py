@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # every command line built from a config dataclass: (module, the dataclass)
-COMMAND_LINES = [("grpo_train", "Config"), ("grpo_vllm_one", "Config"), ("ref_server", "Config"),
+COMMAND_LINES = [("grpo_train", "Config"), ("simple_grpo.train", "Config"), ("ref_server", "Config"),
                  ("evaluate", "EvalConfig"), ("simple_grpo.run.report", "ViewConfig"),
                  ("regroup_ver.ref_server_regroup", "RegroupConfig"),
                  ("tools.explain_step", "ExplainConfig"), ("tools.probe", "ProbeConfig"),
@@ -32,8 +32,8 @@ def test_every_option_has_a_help_line(module_name, class_name):
 
 
 def test_help_groups_the_trainers_flags_under_headers():
-    out = subprocess.run([sys.executable, "grpo_vllm_one.py", "--help"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-m", "simple_grpo.train", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 0
     headers = ["model and data:", "sampling:", "objective (grpo_math.py):", "optimisation:",
                "LoRA (simple_grpo/lora.py):", "systems:", "output:",

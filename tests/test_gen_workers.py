@@ -15,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from grpo_math import completion_mask
-from grpo_vllm_one import Config
+from simple_grpo.train import Config
 from simple_grpo.task.problems import load_data
 from simple_grpo.generation.vllm_sampler import sample, start_vllm
 from simple_grpo.run.checkpoints import runs_root
@@ -95,7 +95,7 @@ def check_draws(run, steps, seed=0):
 
 def test_two_workers_take_turns_and_each_batch_is_trained_once_within_the_bound(server):  # noqa: F811
     run = fresh("test_two_workers")
-    out = subprocess.run([sys.executable, "grpo_vllm_one.py", "--ref_url", server, "--steps", "4",
+    out = subprocess.run([sys.executable, "-m", "simple_grpo.train", "--ref_url", server, "--steps", "4",
                           "--run_name", run, "--save_every", "4", *TWO], cwd=ROOT, capture_output=True, text=True,
                          timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -111,7 +111,7 @@ def test_two_workers_take_turns_and_each_batch_is_trained_once_within_the_bound(
 def test_resume_with_two_workers_continues_each_workers_draws(server):  # noqa: F811
     # runs/test_two_workers holds the 4-step run of the test above, with its checkpoint step_4
     run = "test_two_workers"
-    out = subprocess.run([sys.executable, "grpo_vllm_one.py", "--ref_url", server, "--steps", "6", "--resume",
+    out = subprocess.run([sys.executable, "-m", "simple_grpo.train", "--ref_url", server, "--steps", "6", "--resume",
                           "--run_name", run, *TWO], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resuming after step 4" in out.stdout
@@ -125,7 +125,7 @@ def test_resume_with_two_workers_continues_each_workers_draws(server):  # noqa: 
 def test_killing_either_worker_stops_the_run_naming_it(server, victim, tmp_path):  # noqa: F811
     run, log = fresh(f"test_kill_worker_{victim}"), tmp_path / "out.txt"
     with open(log, "w") as f:
-        trainer = subprocess.Popen([sys.executable, "grpo_vllm_one.py", "--ref_url", server, "--steps", "1000",
+        trainer = subprocess.Popen([sys.executable, "-m", "simple_grpo.train", "--ref_url", server, "--steps", "1000",
                                     "--run_name", run, "--save_every", "1000", *TWO], cwd=ROOT, stdout=f,
                                    stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:

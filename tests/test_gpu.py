@@ -9,8 +9,8 @@ Models come from the repository or are built from configs/: a GPU machine with n
   3. grpo_train.py, 4 steps in bf16 under ZeRO-2, with and without LoRA
   4. vLLM's log-probs after an in-memory weight sync equal a transformers forward (fp32 tight, bf16 loose),
      on vLLM's V1 and V2 model runners
-  5. grpo_vllm_one.py, 10 steps of the tiny model with vLLM on the trainer's GPU (the shared-GPU start-up),
-     and on a GPU of its own where there are two
+  5. the full trainer (simple_grpo/train.py), 10 steps of the tiny model with vLLM on the trainer's GPU (the
+     shared-GPU start-up), and on a GPU of its own where there are two
   6. 5 steps of a random-weight model shaped like Qwen2.5-0.5B, each an update (noise rewards), GPU memory
      sampled against the memory plan
   7. evaluate.py's hf backend on the GPU
@@ -114,21 +114,22 @@ def test_vllm_logps_after_an_in_memory_sync_equal_a_transformers_forward(runner,
 
 
 @pytest.mark.parametrize("where", ["shared", "own"])
-def test_grpo_vllm_one_takes_10_steps_with_vllm_on_the_trainers_gpu_or_its_own(server, where, gpu_summary):
+def test_the_full_trainer_takes_10_steps_with_vllm_on_the_trainers_gpu_or_its_own(server, where, gpu_summary):
     pytest.importorskip("vllm", reason="vLLM is not installed here")
     if where == "own" and torch.cuda.device_count() < 2:
         pytest.skip("one GPU: vLLM on a GPU of its own needs two")
     name = f"test_gpu_vllm_{where}"
-    code, out = run(["grpo_vllm_one.py", "--steps", "10", "--lr", "1e-4", "--batch_prompts", "4", "--ref_url", server,
-                     "--gen_device", "0" if where == "shared" else "1", "--run_name", name, "--overwrite",
-                     "--save_every", "100"], env=dict(ENV, CUDA_VISIBLE_DEVICES="0") if where == "shared" else ENV)
+    code, out = run(["-m", "simple_grpo.train", "--steps", "10", "--lr", "1e-4", "--batch_prompts", "4",
+                     "--ref_url", server, "--gen_device", "0" if where == "shared" else "1", "--run_name", name,
+                     "--overwrite", "--save_every", "100"],
+                    env=dict(ENV, CUDA_VISIBLE_DEVICES="0") if where == "shared" else ENV)
     assert code == 0, out[-3000:]
     waited = "before the trainer loads its model (vLLM shares this trainer's GPU" in out
     assert waited == (where == "shared")
     rows = steps_of(name)
     assert len(rows) == 10
-    gpu_summary(f"grpo_vllm_one.py, vLLM on {'the trainer' if where == 'shared' else 'its own'} GPU: 10 steps, median "
-                f"{statistics.median(r['step_s'] for r in rows):.2f} s/step, sampler gap "
+    gpu_summary(f"simple_grpo.train, vLLM on {'the trainer' if where == 'shared' else 'its own'} GPU: 10 steps, "
+                f"median {statistics.median(r['step_s'] for r in rows):.2f} s/step, sampler gap "
                 f"{statistics.mean(r['sampler_gap_mean'] for r in rows):.4f}" + (", start-up waited for vLLM"
                                                                                  if waited else ""))
 

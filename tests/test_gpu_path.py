@@ -95,10 +95,10 @@ def test_several_workers_take_gpus_of_their_own_in_turn():
 
 def test_gen_tp_above_1_is_refused_on_the_command_line_naming_gen_workers():
     # tensor-parallel vLLM would run in processes that the in-memory weight sync cannot reach
-    from grpo_vllm_one import Config
+    from simple_grpo.train import Config
     with pytest.raises(SystemExit) as refused:
         parse_flags(Config, args=["--gen_tp", "2"])
-    assert str(refused.value).startswith("--gen_tp 2: grpo_vllm_one.py syncs weights only into a vLLM of one GPU "
+    assert str(refused.value).startswith("--gen_tp 2: simple_grpo/train.py syncs weights only into a vLLM of one GPU "
                                          "(--gen_tp 1).")
     assert "--gen_workers K one-GPU vLLM workers" in str(refused.value)
     assert parse_flags(Config, args=["--gen_tp", "1"]).gen_tp == 1
@@ -182,7 +182,7 @@ def test_the_gpu_a_reference_server_reports_is_read_from_its_health_on_loopback_
 def test_gpu_placement_flags_are_refused_where_there_is_no_gpu(flag, value):
     # on a CPU machine vLLM runs on cores: a GPU number or a GPU memory share would be ignored
     import torch
-    from grpo_vllm_one import Config
+    from simple_grpo.train import Config
     from simple_grpo.generation.workers import place_worker
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the flag places vLLM (the tests above)")

@@ -1,5 +1,5 @@
 """tools/gpu_real.py in its tiny CPU form: the command that trains a real model on a GPU (SmolLM2's supervised
-start, full fine-tuning in bf16) runs end to end on the tiny model: both evaluations, grpo_vllm_one.py, the paired
+start, full fine-tuning in bf16) runs end to end on the tiny model: both evaluations, simple_grpo/train.py, the paired
 gain, seconds a step and the sampler gap in its report."""
 import json
 import os
@@ -13,7 +13,7 @@ from simple_grpo.run.checkpoints import runs_root
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.slow  # ~2.5 min: two evaluations and a grpo_vllm_one run, each starting vLLM
+@pytest.mark.slow  # ~2.5 min: two evaluations and a simple_grpo.train run, each starting vLLM
 def test_the_gpu_real_model_command_runs_in_its_tiny_form():
     cmd = [sys.executable, "tools/gpu_real.py", "--start", "models/tiny-math", "--system_prompt", "", "--n", "16",
            "--steps", "2", "--dtype", "float32", "--run_name", "test_gpu_real", "--",

@@ -52,7 +52,7 @@ def test_the_updates_phases_add_up_to_its_seconds_and_recompute_is_checkpointing
 
     before = hooks()  # DeepSpeed's own
     t0 = time.perf_counter()
-    stats, _ = timed_update(grpo_update, engine, batch, cfg)  # grpo_vllm_one.py --time_phases
+    stats, _ = timed_update(grpo_update, engine, batch, cfg)  # simple_grpo/train.py --time_phases
     seconds = time.perf_counter() - t0
     phases = {phase: stats[f"{phase}_s"] for phase in PHASES}
     assert all(phases[p] > 0 for p in ("forward", "log_softmax", "backward", "loss", "optimizer")), phases
@@ -63,15 +63,15 @@ def test_the_updates_phases_add_up_to_its_seconds_and_recompute_is_checkpointing
 
 
 def one_step_of_the_trainer(run_name, *flags):
-    """grpo_vllm_one.py, one step of the tiny model without a KL term (no ref server), with Python naming every
+    """simple_grpo/train.py, one step of the tiny model without a KL term (no ref server), with Python naming every
     module each of its processes imports (PYTHONPROFILEIMPORTTIME, on stderr): the step's metrics.jsonl record and
     the modules imported."""
     run_dir = os.path.join(ROOT, runs_root(), run_name)  # this pytest process's runs (tests/conftest.py)
     shutil.rmtree(run_dir, ignore_errors=True)
-    done = subprocess.run([sys.executable, "grpo_vllm_one.py", "--beta", "0", "--steps", "1", "--batch_prompts", "2",
-                           "--num_generations", "4", "--max_new_tokens", "16", "--save_every", "100",
-                           "--run_name", run_name, *flags], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, PYTHONPROFILEIMPORTTIME="1"))
+    done = subprocess.run([sys.executable, "-m", "simple_grpo.train", "--beta", "0", "--steps", "1",
+                           "--batch_prompts", "2", "--num_generations", "4", "--max_new_tokens", "16",
+                           "--save_every", "100", "--run_name", run_name, *flags], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900, env=dict(os.environ, PYTHONPROFILEIMPORTTIME="1"))
     # "import time: self | cumulative | module", anywhere in a line: the progress bar's line has no newline
     imported = set(re.findall(r"import time: +\d+ \| +\d+ \| +([\w.]+)", done.stderr))
     assert done.returncode == 0, re.sub(r"import time:.*\n", "", done.stderr)[-3000:]
@@ -84,7 +84,7 @@ def one_step_of_the_trainer(run_name, *flags):
 
 @pytest.mark.slow  # ~1.5 min on two busy cores: two runs, each starting vLLM
 def test_the_trainer_times_its_update_by_phase_only_with_time_phases():
-    """Without --time_phases grpo_vllm_one.py's update is untimed: the phase timer is never imported (so no hook on
+    """Without --time_phases simple_grpo/train.py's update is untimed: the phase timer is never imported (so no hook on
     the model and no wait for the device) and the step logs no phase's seconds. With it, it logs every phase."""
     untimed, imported = one_step_of_the_trainer("test_untimed_update")
     assert "simple_grpo.run.phase_timer" not in imported

@@ -232,7 +232,7 @@ def test_the_one_screen_objective_equals_grpo_loss_on_random_inputs():
     (grad_theirs,) = torch.autograd.grad(theirs, logps)
     assert mine.item() == pytest.approx(theirs.item(), abs=1e-6)
     assert torch.allclose(grad_mine, grad_theirs, atol=1e-7)
-    # the demo's trainer (grpo_vllm_one.py): vLLM's log-probs weight each token, capped at tis_cap
+    # the demo's trainer (simple_grpo/train.py): vLLM's log-probs weight each token, capped at tis_cap
     sampler = old + 0.5 * torch.randn(Q * G, C, generator=g)
     mine = grpo_objective(logps, old, ref, rewards, mask, G, sampler_logps=sampler, tis_cap=2.0)
     (grad_mine,) = torch.autograd.grad(mine, logps)

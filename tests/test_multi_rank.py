@@ -158,11 +158,11 @@ def test_the_ref_server_hands_each_run_its_own_groups_and_drops_stale_ones():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainer, stage, workers, options", [("grpo_vllm_one", 3, 1, []), ("grpo_vllm_one", 2, 2, []),
-                                                             ("grpo_vllm_one", 3, 1, ["--micro_batch_groups", "1"])])
+@pytest.mark.parametrize("trainer, stage, workers, options", [("full", 3, 1, []), ("full", 2, 2, []),
+                                                             ("full", 3, 1, ["--micro_batch_groups", "1"])])
 def test_two_ranks_with_a_ref_server(trainer, stage, workers, options):
     """deepspeed --num_gpus 2 (grpo_train.py runs one process: tests/test_grpo_train.py checks it says so):
-    grpo_vllm_one's one vLLM worker (on rank 0) makes a batch for each rank, which the
+    the full trainer's one vLLM worker (on rank 0) makes a batch for each rank, which the
     server routes by run_id, and under ZeRO-3 both ranks gather the weights for each sync; with
     --gen_every 1 two workers (one per rank, as on two nodes) feed the one server. Every group comes
     back, rank 0 logs, the checkpoint is whole, and no process is left behind. With --micro_batch_groups 1
@@ -176,7 +176,8 @@ def test_two_ranks_with_a_ref_server(trainer, stage, workers, options):
     launcher, family, spawned = None, [], set()  # the run's launcher; every process of the run; its workers
     try:
         launcher = subprocess.Popen(
-            [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), f"{trainer}.py",
+            [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+             *(["--module", "simple_grpo.train"] if trainer == "full" else [f"{trainer}.py"]),
              "--ref_url", f"http://127.0.0.1:{port}", "--steps", "3", "--save_every", "2", "--batch_prompts", "2",
              "--num_generations", "4", "--max_new_tokens", "24", "--zero_stage", str(stage), "--threads", "1",
              "--run_name", run, *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -202,7 +203,7 @@ def test_two_ranks_with_a_ref_server(trainer, stage, workers, options):
         stats = requests.get(f"http://127.0.0.1:{port}/stats", timeout=5).json()
         assert stats["groups_taken"] + stats["ready"] + stats["waiting"] == stats["groups_in"], stats  # none lost
         assert stats["groups_taken"] >= 2 * 3, stats  # each rank took at least a group a step
-        assert len(family) >= 2 and len(spawned) == (workers if trainer == "grpo_vllm_one" else 0), spawned
+        assert len(family) >= 2 and len(spawned) == (workers if trainer == "full" else 0), spawned
         _, alive = psutil.wait_procs(family, timeout=30)
         assert not alive, [(p.pid, p.name()) for p in alive]
     finally:

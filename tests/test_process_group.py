@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tools.launch import ROOT
+from tools.launch import ROOT, TRAINER_ARGS
 
 AT_EXIT = r"""
 import atexit, os
@@ -19,10 +19,10 @@ atexit.register(write)
 """
 
 
-@pytest.mark.parametrize("trainer", ["grpo_train", pytest.param("grpo_vllm_one", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("trainer", ["grpo_train", pytest.param("full", marks=pytest.mark.slow)])
 def test_a_finished_run_leaves_no_process_group_open(tmp_path, trainer):
     (tmp_path / "sitecustomize.py").write_text(AT_EXIT)
-    out = subprocess.run([sys.executable, f"{trainer}.py", "--beta", "0", "--steps", "1", "--batch_prompts", "2",
+    out = subprocess.run([sys.executable, *TRAINER_ARGS[trainer], "--beta", "0", "--steps", "1", "--batch_prompts", "2",
                           "--num_generations", "4", "--max_new_tokens", "16", "--lr", "1e-4", "--threads", "1",
                           "--save_every", "100", "--run_name", f"test_process_group_{trainer}", "--overwrite"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600,

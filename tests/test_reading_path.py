@@ -8,13 +8,13 @@ import sys
 import pytest
 
 from tools import reading_path
-from tools.reading_path import GUIDE, ROOT, TRAINERS, count, recorded, table
+from tools.reading_path import FILES, GUIDE, ROOT, TRAINERS, count, recorded, table
 
 RECORD_AGAIN = ("python tools/reading_path.py --record (traces both trainers' step again, ~5 minutes, and rewrites "
                 "tools/reading_path*.json and docs/guide.md's tables)")
-# entered only when grpo_vllm_one's trainer waits for its batch, which is timing: a trace may hold them or not
-WAITING = {("trainer", "grpo_vllm_one.py", "main.<locals>.take.<locals>.waiting"),
-           ("trainer", "grpo_vllm_one.py", "main.<locals>.<lambda>"),
+# entered only when the full trainer waits for its batch, which is timing: a trace may hold them or not
+WAITING = {("trainer", "simple_grpo/train.py", "main.<locals>.take.<locals>.waiting"),
+           ("trainer", "simple_grpo/train.py", "main.<locals>.<lambda>"),
            ("trainer", "simple_grpo/generation/workers.py", "check_workers"),
            ("trainer", "simple_grpo/generation/workers.py", "WorkerProgress.describe"),
            ("trainer", "simple_grpo/generation/workers.py", "WorkerProgress.check_deadline")}
@@ -51,13 +51,13 @@ def test_the_guides_table_is_the_traced_step_counted_from_the_code_as_it_is(trai
     copy = pattern.search(open(GUIDE).read())
     assert copy, f"docs/guide.md has no block {marker} ... <!-- /reading-path -->"
     assert copy.group(1) == table(recorded(trainer), trainer), (
-        f"docs/guide.md's reading path of {trainer}.py is not the recorded trace counted from the code as it is now. "
+        f"docs/guide.md's reading path of {FILES[trainer]} is not the recorded trace counted from the code as it is now. "
         f"After a change to the code a step runs: {RECORD_AGAIN}. Where only the tool or the guide changed: "
         "python tools/reading_path.py --guide")
 
 
 def test_the_guides_tables_show_both_counts_and_what_the_subset_leaves_out_with_why():
-    text = table(recorded("grpo_vllm_one"), "grpo_vllm_one")
+    text = table(recorded("full"), "full")
     assert "lines: the reader's / the whole trace's / the file's" in text
     assert "- `simple_grpo/run/`: the run directory, the logs" in text
     assert "`gen_worker`" in text  # the generation worker's process is traced too
@@ -120,9 +120,9 @@ def test_a_closure_is_read_with_the_function_around_it():
 
 def test_a_worker_process_is_counted_with_its_own_callers():
     worker = [entered("simple_grpo/generation/workers.py", "run_on_cores"),
-              entered("grpo_vllm_one.py", "gen_worker", ("simple_grpo/generation/workers.py", "run_on_cores"))]
-    rows, _ = count(trace(entered("grpo_vllm_one.py", "main"), worker=worker))
-    assert set(rows["grpo_vllm_one.py"]["functions"]) == {"gen_worker", "main"}
+              entered("simple_grpo/train.py", "gen_worker", ("simple_grpo/generation/workers.py", "run_on_cores"))]
+    rows, _ = count(trace(entered("simple_grpo/train.py", "main"), worker=worker))
+    assert set(rows["simple_grpo/train.py"]["functions"]) == {"gen_worker", "main"}
 
 
 def test_a_recorded_function_that_is_gone_is_named_with_the_command_that_traces_again():
@@ -162,7 +162,7 @@ def test_tracing_the_step_again_gives_the_recorded_trace(trainer, tmp_path):
     fresh = json.loads(json.dumps(reading_path.trace_step(trainer, str(tmp_path))))  # as the record stores it
     names = lambda t: {(p, e["file"], e["name"]) for p in t for e in t[p]["entered"]}  # noqa: E731
     assert names(fresh) ^ names(recorded(trainer)) <= WAITING, \
-        f"the step of {trainer}.py runs other functions than its record says: {RECORD_AGAIN}"
+        f"the step of {FILES[trainer]} runs other functions than its record says: {RECORD_AGAIN}"
     assert subset(fresh) == subset(recorded(trainer))  # the wait's functions are left out of it, or nested
     if names(fresh) == names(recorded(trainer)):
         assert table(fresh, trainer) == table(recorded(trainer), trainer)

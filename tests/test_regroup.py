@@ -121,7 +121,7 @@ def test_the_trainers_uploads_pass_the_servers_check_with_its_flags_and_are_refu
     completion_ids[torch.arange(Q * G), lengths - 1] = STOP
     until_stop = completion_mask(completion_ids, STOP)
     flags = [("group", 1e-4), ("group", 0.05), ("none", 1e-4)]
-    for scale, eps in flags:  # the generator's groups, as grpo_vllm_one.py's worker makes them with --regroup
+    for scale, eps in flags:  # the generator's groups, as simple_grpo/train.py's worker makes them with --regroup
         groups, has_signal = make_groups([torch.tensor([5, 6, q]) for q in range(Q)], completion_ids, until_stop,
                                          rewards, G, {}, torch.zeros(Q * G, C), keep_equal=True,
                                          scale_rewards=scale, eps=eps)

@@ -57,10 +57,15 @@ def test_check_run_dir_refuses_a_used_directory_unless_told(tmp_path, monkeypatc
 
 
 def train(cwd, run, *flags, script="grpo_train.py", timeout=600):
-    """The script in cwd, into cwd/runs/RUN_NAME/ (the default: the test suite's $SIMPLE_GRPO_RUNS left out)."""
+    """The script (a path from the root, or -m and a module) in cwd, into cwd/runs/RUN_NAME/ (the default: the test
+    suite's $SIMPLE_GRPO_RUNS left out)."""
     t0 = time.time()
     env = {k: v for k, v in os.environ.items() if k != RUNS_ENV}
-    out = subprocess.run([sys.executable, os.path.join(ROOT, script), *SMALL, "--run_name", run, *flags], cwd=cwd,
+    if script.startswith("-m "):  # run from cwd: the root on PYTHONPATH finds the package
+        command, env["PYTHONPATH"] = script.split(), os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    else:
+        command = [os.path.join(ROOT, script)]
+    out = subprocess.run([sys.executable, *command, *SMALL, "--run_name", run, *flags], cwd=cwd,
                          env=env, capture_output=True, text=True, timeout=timeout)
     return out, time.time() - t0
 
@@ -93,9 +98,9 @@ def test_a_repeated_command_is_refused_and_resume_or_overwrite_say_what_happens(
     assert steps_logged(run_dir) == [1] and sorted(p.name for p in run_dir.glob("step_*")) == ["step_1"]
 
 
-def test_grpo_vllm_one_refuses_before_starting_its_worker(tmp_path):
+def test_the_full_trainer_refuses_before_starting_its_worker(tmp_path):
     os.makedirs(tmp_path / "runs" / "used" / "step_3")
-    out, seconds = train(tmp_path, "used", script="grpo_vllm_one.py", timeout=300)
+    out, seconds = train(tmp_path, "used", script="-m simple_grpo.train", timeout=300)
     assert out.returncode != 0
     assert "runs/used/ holds an earlier run" in out.stderr and "--overwrite" in out.stderr
     assert "vLLM" not in out.stdout + out.stderr.replace("runs/used/", "")  # no worker was started

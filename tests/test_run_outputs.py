@@ -12,6 +12,7 @@ import psutil  # comes with vllm
 import pytest
 
 from simple_grpo.run.checkpoints import RUNS_ENV, runs_root
+from tools.launch import TRAINER_ARGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METRICS = ["entropy", "clip_low_frac", "clip_high_frac", "completion_len_min", "completion_len", "completion_len_max",
@@ -21,7 +22,7 @@ VLLM_METRICS = ["sampler_gap_mean", "sampler_gap_max", "is_weight_min", "is_weig
 
 
 def run(trainer, name, *flags, timeout=900, env=None):
-    return subprocess.run([sys.executable, f"{trainer}.py", "--beta", "0", "--lr", "1e-4", "--steps", "4",
+    return subprocess.run([sys.executable, *TRAINER_ARGS[trainer], "--beta", "0", "--lr", "1e-4", "--steps", "4",
                            "--batch_prompts", "4", "--run_name", name, "--log_completions_every", "2", *flags],
                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
                           env=env)
@@ -60,7 +61,7 @@ def test_config_json_holds_the_flags_as_resolved(no_signal_run):
     assert (config["lr"], config["epsilon_high"], config["scale_rewards"]) == (1e-4, 0.2, "group")
 
 
-@pytest.mark.parametrize("trainer", ["grpo_train", "grpo_vllm_one"])
+@pytest.mark.parametrize("trainer", ["grpo_train", "full"])
 def test_a_run_logs_the_metrics_and_completions_its_report_shows(trainer):
     name = f"test_outputs_{trainer}"
     out = run(trainer, name, "--ref_url", "http://127.0.0.1:9")  # beta 0: no reference server, a closed port
@@ -68,7 +69,7 @@ def test_a_run_logs_the_metrics_and_completions_its_report_shows(trainer):
     run_dir = os.path.join(runs_root(), name)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    for key in METRICS + (VLLM_METRICS if trainer == "grpo_vllm_one" else []):
+    for key in METRICS + (VLLM_METRICS if trainer == "full" else []):
         assert all(key in r for r in rows), key
     for r in rows:
         assert r["completion_len_min"] <= r["completion_len"] <= r["completion_len_max"]
@@ -79,7 +80,7 @@ def test_a_run_logs_the_metrics_and_completions_its_report_shows(trainer):
     for r in logged:
         assert r["prompt"] and "reward" in r and set(r["rewards"]) == {"correctness", "format"}
         assert len(r["tokens"]) == len(r["logps"]) and r["advantage"] is not None
-        assert (r["sampler_logps"] is not None) == (trainer == "grpo_vllm_one")
+        assert (r["sampler_logps"] is not None) == (trainer == "full")
     subprocess.run([sys.executable, "tools/view_run.py", run_dir], cwd=ROOT, check=True)  # the run's page
     page = open(os.path.join(run_dir, "report.html"), encoding="utf-8").read()
     assert "<h2>Completions</h2>" in page and "<h3>step 4 " in page

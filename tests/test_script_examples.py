@@ -1,4 +1,4 @@
-"""The example commands in grpo_train.py's and grpo_vllm_one.py's docstrings parse as written, and each trainer that
+"""The example commands in grpo_train.py's and simple_grpo/train.py's docstrings parse as written, and each trainer that
 asks the reference server for its KL term is paired with a server that holds its own --model (the fingerprint
 check would stop a pair that is not)."""
 import shlex
@@ -6,28 +6,29 @@ import shlex
 import pytest
 
 import grpo_train
-import grpo_vllm_one
 import ref_server
+import simple_grpo.train
 from simple_grpo.flags import parse_flags
 from simple_grpo.trainer.config import default_ref_url
 
 
 def example_commands(doc):
-    """[(script, flags)] for the docstring's lines that run python or deepspeed, comments and '&' left out."""
+    """[(script, flags)] for the docstring's lines that run python or deepspeed, comments and '&' left out; a
+    module run with -m (deepspeed: --module) is named by its dotted name."""
     commands = []
     for line in doc.replace("\\\n", " ").splitlines():  # a line ending in a backslash goes on
         if not line.strip().startswith(("python ", "deepspeed ")):
             continue
         words = shlex.split(line.split("#")[0].replace("&", " "))
-        script = next(i for i, word in enumerate(words) if word.endswith(".py"))
+        script = next(i for i, word in enumerate(words) if word.endswith(".py") or word in ("-m", "--module"))
+        script += words[script] in ("-m", "--module")
         commands.append((words[script], words[script + 1:]))
     return commands
 
 
-@pytest.mark.parametrize("module", [grpo_train, grpo_vllm_one])
-def test_the_docstrings_example_commands_parse_and_each_trainer_is_served_its_own_model(module):
+@pytest.mark.parametrize("module, trainer", [(grpo_train, "grpo_train.py"), (simple_grpo.train, "simple_grpo.train")])
+def test_the_docstrings_example_commands_parse_and_each_trainer_is_served_its_own_model(module, trainer):
     commands = example_commands(module.__doc__)
-    trainer = f"{module.__name__}.py"
     assert any(script == trainer for script, _ in commands) and any(s == "ref_server.py" for s, _ in commands)
     server = None  # the server the lines above started
     for script, flags in commands:

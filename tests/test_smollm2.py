@@ -95,7 +95,7 @@ def logp_differences(model_path, dtype):
     worker does, and compare the sampler's log-probs with the trainer's (simple_grpo.logprobs.sequence_logps on a
     transformers model in the same dtype) over the completion tokens. Starts a vLLM engine: run it in a
     process of its own."""
-    from grpo_vllm_one import Config
+    from simple_grpo.train import Config
     from simple_grpo.generation.vllm_sampler import sample, start_vllm
     from tests.test_grpo_vllm_one import CFG as TINY_CFG, trainer_logps
     cfg = Config(model=model_path, num_generations=4, max_new_tokens=24, temperature=0.7, max_model_len=512)
@@ -156,7 +156,7 @@ def test_in_bf16_vllm_sampling_logps_are_close_to_the_trainers(smollm2):
 def test_the_recipes_context_holds_every_training_prompt_and_its_new_tokens(smollm2, capsys):
     """make demo-real's --max_model_len: check_context_length over the training problems, with the recipe's system
     prompt and --max_new_tokens, has nothing to say (a prompt left less room would be counted in a note)."""
-    from grpo_vllm_one import Config
+    from simple_grpo.train import Config
     from simple_grpo.generation.vllm_sampler import check_context_length
     from simple_grpo.task.problems import load_data
     from tools.smollm2_recipe import MAX_MODEL_LEN, MAX_NEW_TOKENS, SYSTEM_PROMPT

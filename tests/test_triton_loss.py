@@ -39,7 +39,7 @@ def test_the_trainer_refuses_loss_impl_triton_before_it_loads_anything():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: Triton can run")
-    r = subprocess.run([sys.executable, "grpo_vllm_one.py", "--loss_impl", "triton", "--beta", "0", "--steps", "1"],
-                       cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "simple_grpo.train", "--loss_impl", "triton", "--beta", "0", "--steps",
+                        "1"], cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "--loss_impl triton: no GPU for Triton" in r.stdout + r.stderr
     assert "generation worker" not in r.stdout  # stopped before any process started

@@ -1,4 +1,4 @@
-"""One real update (grpo_update, grpo_vllm_one.py's) on a fixed batch, for each set of flags given, in one
+"""One real update (grpo_update, simple_grpo/train.py's) on a fixed batch, for each set of flags given, in one
 process: tests/test_training_mode.py runs it. For each it prints one JSON line with the engine (ZeRO stage,
 weight dtype, optimizer), the module's mode and rows at every forward, the bytes of every activation autograd
 saves for backward (weights left out: they are held anyway), the calls into triton_loss's kernels, the loss
@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton_loss  # noqa: E402
 from grpo_math import completion_mask  # noqa: E402
-from grpo_vllm_one import Config  # noqa: E402
+from simple_grpo.train import Config  # noqa: E402
 from simple_grpo.flags import parse_flags  # noqa: E402
 from simple_grpo.logprobs import sequence_logps  # noqa: E402
 from simple_grpo.trainer.config import check_options  # noqa: E402

@@ -1,4 +1,4 @@
-"""grpo_vllm_one's weight sync under ZeRO-3 on 2 ranks (run by tests/test_weight_sync.py):
+"""The full trainer's weight sync under ZeRO-3 on 2 ranks (run by tests/test_weight_sync.py):
 
     deepspeed --num_gpus 2 tests/weight_sync_zero3.py
 
@@ -16,7 +16,7 @@ import types
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from grpo_vllm_one import Config  # noqa: E402
+from simple_grpo.train import Config  # noqa: E402
 from simple_grpo.generation.weight_sync import WeightSender, tensors_in  # noqa: E402
 from simple_grpo.generation.weight_sync import merged_weights  # noqa: E402
 from simple_grpo.trainer.config import check_options  # noqa: E402

@@ -4,8 +4,8 @@
 
 For a change that should alter no number (a refactor, a move): run the same seed before and after, then
 compare. Timings (keys ending in _s) and rates (_per_s) are left out, and so is a count that depends on
-timing: how many completions grpo_vllm_one's worker had generated when a step was logged ("generated"). The first
-run's figures are compared: a figure only the second run logs (a new diagnostic) is listed, not compared; one the
+timing: how many completions the vLLM trainers' worker had generated when a step was logged ("generated"). The
+first run's figures are compared: a figure only the second run logs (a new diagnostic) is listed, not compared; one the
 second run lost differs. Prints, per key, the steps compared and the first difference; the last line is JSON
 {"same": bool, "steps": n, ...}.
 Exits 1 when a figure differs or the runs logged different steps.
@@ -16,7 +16,7 @@ import math
 import os
 import sys
 
-TIMING_DEPENDENT = {"generated"}  # grpo_vllm_one: the worker's running count when the trainer logs a step
+TIMING_DEPENDENT = {"generated"}  # the vLLM trainers: the worker's running count when the trainer logs a step
 
 
 def read_steps(run_dir):

@@ -5,8 +5,8 @@
 1. evaluates the shipped model greedily on the held-out test split;
 2. starts ref_server.py in the background on a free port and waits for its /health (not with --lora: the
    base model, adapters off, is the reference);
-3. trains with grpo_train.py or grpo_vllm_one.py (--trainer) into runs/NAME, replacing an earlier
-   demo run of that name (the trainer's --overwrite);
+3. trains with the full trainer (python -m simple_grpo.train), grpo_train.py or grpo_vllm_one.py (--trainer)
+   into runs/NAME, replacing an earlier demo run of that name (the trainer's --overwrite);
 4. evaluates the final checkpoint the same way, and writes runs/NAME/report.html (tools/view_run.py);
 5. prints both as a table and one last JSON line {"before": {...}, "after": {...}, "minutes": m}.
 The server and trainer are stopped at the end, on errors, on Ctrl-C and on SIGTERM.
@@ -21,8 +21,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from simple_grpo.evaluation import print_before_after  # noqa: E402
 from simple_grpo.run.checkpoints import runs_root  # noqa: E402
-from tools.launch import (MODEL, ROOT, TINY_WORLD_FLAGS, child_env, evaluate, free_port,  # noqa: E402
-                                    start_ref_server, stop)
+from tools.launch import (MODEL, ROOT, TINY_WORLD_FLAGS, TRAINER_ARGS, child_env, evaluate,  # noqa: E402
+                          free_port, start_ref_server, stop)
 
 # LoRA on the tiny model: adapters on every linear layer; lr 3e-4 (1e-3 learned less, and lost on seed 1:
 # docs/benchmarks.md, LoRA)
@@ -33,9 +33,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=650)
-    # grpo_vllm_one, the script the project is named for: its worker samples the next batch while the
-    # trainer computes (bench/trainers.py compares the two)
-    ap.add_argument("--trainer", default="grpo_vllm_one", choices=["grpo_train", "grpo_vllm_one"])
+    # full (simple_grpo/train.py, grpo_vllm_one.py's step with every feature): its worker samples the next batch
+    # while the trainer computes (bench/trainers.py compares the trainers)
+    ap.add_argument("--trainer", default="full", choices=list(TRAINER_ARGS))
     ap.add_argument("--lora", action="store_true", help="train LoRA adapters (--use_peft with LORA_FLAGS)")
     ap.add_argument("--run_name", default=None, help="default: demo_seedN (grpo_train), demo_vllm_seedN, demo_lora_...")
     ap.add_argument("train_args", nargs="*", help="extra trainer flags, after --")
@@ -51,11 +51,11 @@ def main():
     server, trainer = (None if args.lora else start_ref_server(port, env)), None
     flags = LORA_FLAGS if args.lora else ["--ref_url", f"http://127.0.0.1:{port}", *TINY_WORLD_FLAGS]
     try:
-        trainer = subprocess.Popen([sys.executable, f"{args.trainer}.py", *flags,
+        trainer = subprocess.Popen([sys.executable, *TRAINER_ARGS[args.trainer], *flags,
                                     "--run_name", run_name, "--overwrite", "--seed", str(args.seed),
                                     "--steps", str(args.steps), *args.train_args], cwd=ROOT, env=env)
         if trainer.wait() != 0:
-            raise SystemExit(f"{args.trainer}.py failed with exit code {trainer.returncode}")
+            raise SystemExit(f"{' '.join(TRAINER_ARGS[args.trainer])} failed with exit code {trainer.returncode}")
     finally:  # stop what we started; the trainer stops its own generation worker
         stop(trainer), stop(server)
     after = evaluate(os.path.join(runs_root(), run_name, f"step_{args.steps}"), env)

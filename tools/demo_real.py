@@ -8,8 +8,8 @@ training does, on this CPU?
    the best dev accuracy: "before", the best supervised start (tools/warm_start.py; cached in .cache/models/);
 2. probes "before": does GRPO get a signal from it? (tools/probe.py);
 3. evaluates greedily on the held-out test split the untouched model ("base") and "before";
-4. trains LoRA adapters with grpo_vllm_one.py from "before" into runs/demo_real_seedN/ (the settings:
-   tools/smollm2_recipe.py; the search for them: docs/real_model.md), and times it;
+4. trains LoRA adapters with the full trainer (simple_grpo/train.py) from "before" into runs/demo_real_seedN/ (the
+   settings: tools/smollm2_recipe.py; the search for them: docs/real_model.md), and times it;
 5. the control: supervised training continued from "before" (tools/warm_start.py), into
    runs/demo_real_seedN/control, for a budget fixed in steps: round(GRPO's steps x
    smollm2_recipe.CONTROL_STEPS_PER_GRPO_STEP), the supervised steps a GRPO step costs as measured once on this
@@ -48,8 +48,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from simple_grpo.evaluation import paired_gain, print_before_after, read_details  # noqa: E402
 from simple_grpo.run.checkpoints import runs_root  # noqa: E402
-from tools.launch import (ROOT, TEST, cached_evaluate, child_env, evaluate, git_commit,  # noqa: E402
-                                    run_child, smollm2_warm_start, trained_checkpoint)
+from tools.launch import (ROOT, TEST, TRAINER_ARGS, cached_evaluate, child_env, evaluate, git_commit,  # noqa: E402
+                          run_child, smollm2_warm_start, trained_checkpoint)
 from tools.smollm2_recipe import (CONTROL_FLAGS, CONTROL_STEPS_PER_GRPO_STEP, EVAL_FLAGS,  # noqa: E402
                                             FEW_SOLUTIONS, FEW_START_FLAGS, SAMPLING_FLAGS, STEPS, SYSTEM_PROMPT, TRAIN,
                                             TRAIN_FLAGS, WARM_START_FLAGS, write_answers_only)
@@ -158,7 +158,7 @@ def main():
     ap.add_argument("--setting", default="solutions", choices=["solutions", "answers"],
                     help="solutions: worked solutions for every training problem; answers: for a few only, final "
                          "answers for the rest (GRPO against RAFT and supervised training)")
-    ap.add_argument("train_args", nargs="*", help="extra grpo_vllm_one.py flags, after --")
+    ap.add_argument("train_args", nargs="*", help="extra flags of the full trainer, after --")
     args = ap.parse_args()
     if args.setting == "answers":
         return answers_demo(args)
@@ -189,14 +189,14 @@ def main():
     figures = {name: cached_evaluate(name, model, before, env, eval_args, details[name])
                for name, model in (("base", base), ("before", before))}
 
-    print(f"\n== 4/6 GRPO with grpo_vllm_one.py from before, seed {args.seed}, {args.steps} steps -> "
+    print(f"\n== 4/6 GRPO with simple_grpo.train from before, seed {args.seed}, {args.steps} steps -> "
           f"runs/{run_name}", flush=True)
     t_grpo = time.time()
     # a group's completions every 2 steps for report.html
-    commands = {"grpo": ["grpo_vllm_one.py", "--model", before, *prompt, *TRAIN_FLAGS, "--save_every", "1000",
+    commands = {"grpo": [*TRAINER_ARGS["full"], "--model", before, *prompt, *TRAIN_FLAGS, "--save_every", "1000",
                          "--log_completions_every", "2", "--run_name", run_name, "--overwrite", "--seed",
                          str(args.seed), "--steps", str(args.steps), *args.train_args]}
-    run_child(commands["grpo"], env, "grpo_vllm_one.py")
+    run_child(commands["grpo"], env, "simple_grpo.train")
     grpo_minutes = (time.time() - t_grpo) / 60
     after, grpo_steps = trained_checkpoint(run_dir)
     run_child(["tools/view_run.py", run_dir], env, "tools/view_run.py")  # report.html
@@ -253,10 +253,10 @@ def answers_demo(args):
     minutes, trained, steps, commands = {}, {}, {}, {"start": warm_flags}
     for name, extra in (("grpo", []), ("raft", ["--advantage_estimator", "raft"])):
         t = time.time()
-        commands[name] = ["grpo_vllm_one.py", "--model", start, "--dataset", answers_only, *prompt, *TRAIN_FLAGS,
+        commands[name] = [*TRAINER_ARGS["full"], "--model", start, "--dataset", answers_only, *prompt, *TRAIN_FLAGS,
                           *extra, "--save_every", "1000", "--run_name", f"{run_name}_{name}", "--overwrite", "--seed",
                           str(args.seed), "--steps", str(args.steps), *args.train_args]
-        run_child(commands[name], env, f"grpo_vllm_one.py ({name})")
+        run_child(commands[name], env, f"simple_grpo.train ({name})")
         minutes[name] = (time.time() - t) / 60
         trained[name], steps[name] = trained_checkpoint(os.path.join(ROOT, runs_root(), f"{run_name}_{name}"))
 

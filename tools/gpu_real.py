@@ -1,4 +1,4 @@
-"""A real pretrained model trained by grpo_vllm_one.py on a GPU (issue 58, point 5): SmolLM2-135M-Instruct from the
+"""A real pretrained model trained by simple_grpo.train on a GPU (issue 58, point 5): SmolLM2-135M-Instruct from the
 supervised start `make demo-real SETTING=answers` makes (its 300 worked solutions), trained in full, bf16, vLLM on
 the same GPU, on the other training problems' final answers (as the CPU study's GRPO arm) with the GSM8K recipe's
 8 x 8 batch; greedy accuracy on the test problems before and after, the paired gain with its 95% interval, seconds
@@ -32,17 +32,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from simple_grpo.evaluation import paired_gain, print_before_after, read_details  # noqa: E402
 from simple_grpo.run.checkpoints import runs_root  # noqa: E402
 from simple_grpo.run.provenance import what_ran  # noqa: E402
-from tools.launch import ROOT, TEST, child_env, evaluate, run_child, trained_checkpoint  # noqa: E402
+from tools.launch import ROOT, TEST, TRAINER_ARGS, child_env, evaluate, run_child, trained_checkpoint  # noqa: E402
 from tools.smollm2_recipe import EVAL_FLAGS, MAX_NEW_TOKENS, SYSTEM_PROMPT, write_answers_only  # noqa: E402
 
 KEEP = ("accuracy", "accuracy_strict", "format_rate", "mean_tokens", "n")
 
 
 def trainer_flags(args, answers_only):
-    """grpo_vllm_one.py's command: full fine-tuning (no LoRA), beta 0 (no reference pass, as the recipe), the GSM8K
-    recipe's 8 prompts x 8 completions, one checkpoint at the end; then the flags after --."""
+    """The full trainer's command (after python): full fine-tuning (no LoRA), beta 0 (no reference pass, as the
+    recipe), the GSM8K recipe's 8 prompts x 8 completions, one checkpoint at the end; then the flags after --."""
     prompt = ["--system_prompt", args.system_prompt] if args.system_prompt else []
-    return ["grpo_vllm_one.py", "--model", args.start, "--dataset", answers_only, *prompt, "--dtype", args.dtype,
+    return [*TRAINER_ARGS["full"], "--model", args.start, "--dataset", answers_only, *prompt, "--dtype", args.dtype,
             "--lr", str(args.lr), "--beta", "0", "--batch_prompts", "8", "--num_generations", "8",
             "--max_new_tokens", str(MAX_NEW_TOKENS), "--steps", str(args.steps),
             "--save_every", str(args.save_every or (25 if args.minutes else args.steps)),
@@ -96,7 +96,7 @@ def main():
     start = evaluate(args.start, env, TEST, [*eval_args, "--details", details["start"]])
     print(f"\n== 2/3 GRPO, full fine-tuning in {args.dtype}, {args.steps} steps of 8 x 8", flush=True)
     command = trainer_flags(args, answers_only)
-    stopped = run_child(command, env, "grpo_vllm_one.py", args.minutes)  # SIGTERM stops its vLLM worker too
+    stopped = run_child(command, env, "simple_grpo.train", args.minutes)  # SIGTERM stops its vLLM worker too
     checkpoint, steps = trained_checkpoint(run_dir + "_grpo")
     print(f"\n== 3/3 after {steps} steps, greedy on the same problems", flush=True)
     after = evaluate(checkpoint, env, TEST, [*eval_args, "--details", details["after"]])

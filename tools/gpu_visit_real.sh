@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 65's first visit, on a lent GPU machine once ../shared/gpu's bundle (built with MODEL=the supervised start
-# in bf16) is stashed: a real model, SmolLM2-135M-Instruct's supervised start, trained by grpo_vllm_one.py in full,
+# in bf16) is stashed: a real model, SmolLM2-135M-Instruct's supervised start, trained by simple_grpo.train in full,
 # bf16, vLLM on the same GPU, for MINUTES minutes (start-up included), evaluated greedily before and after.
 #
 #     python tools/provenance.py write      # first, on the machine that holds the repository: the tree's commit

@@ -1,9 +1,9 @@
 """Starting this project's own processes from a tool, a bench or a test: the reference server in the background
 (ready once its /health answers), evaluate.py on a checkpoint (cached for a model that does not change), a
 script as a child process, a free port, SmolLM2's supervised start (tools/fetch_smollm2.py, then
-tools/warm_start.py). tools/demo.py, tools/demo_real.py, tools/study_real.py, the benches and the tests use them;
-MODEL, TEST and TINY_WORLD_FLAGS are the tiny default world's. A module the tools import, not a script; the
-package (simple_grpo/) starts no script.
+tools/warm_start.py), a trainer's command by its name (TRAINER_ARGS). tools/demo.py, tools/demo_real.py,
+tools/study_real.py, the benches and the tests use them; MODEL, TEST and TINY_WORLD_FLAGS are the tiny default
+world's. A module the tools import, not a script; the package (simple_grpo/) starts no script.
 """
 import hashlib
 import json
@@ -24,6 +24,10 @@ MODEL, TEST = "models/tiny-math", "data/toy_math/test.jsonl"
 # the tiny model's tuned learning rate (docs/tuning.md's grpo_train runs: 2e-4 did worse, 5e-4 collapsed), the
 # trainers' default for it too: given here so that a demo's command line says it
 TINY_WORLD_FLAGS = ["--lr", "1e-4"]
+# the trainers the demos, benches and tests start by name: what follows `python` (deepspeed: --module for -m).
+# full: every feature (simple_grpo/train.py); grpo_vllm_one: the lesson, its default step alone; grpo_train: simple
+TRAINER_ARGS = {"full": ["-m", "simple_grpo.train"], "grpo_vllm_one": ["grpo_vllm_one.py"],
+                "grpo_train": ["grpo_train.py"]}
 
 
 def child_env():

@@ -1,16 +1,17 @@
 """tools/reading_path.py: what a step of `make demo` runs, traced, for each trainer: the whole trace, and the part
 of it a reader reads.
 
-    python tools/reading_path.py [--trainer grpo_vllm_one]  # the guide's tables, counted from the records
+    python tools/reading_path.py [--trainer full]  # the guide's tables, counted from the records
     python tools/reading_path.py --record   # trace both again; rewrite the records and the guide's tables
                                             # (~5 minutes on a CPU; after any change to a step's code)
     python tools/reading_path.py --guide    # rewrite the guide's tables from the records (no tracing)
 
-The records: tools/reading_path.json (grpo_train.py's step) and tools/reading_path_vllm_one.json.
+The records: tools/reading_path.json (grpo_train.py's step) and tools/reading_path_vllm_one.json (the full
+trainer's, simple_grpo/train.py, run as python -m simple_grpo.train).
 
 The step is make demo's (tools/demo.py): ref_server.py started as the demo starts it, then the trainer against it
-with the demo's flags and --steps 1 (grpo_train.py, TRAINER=grpo_train) or 2 (grpo_vllm_one.py, the default: its
-first step sends its generation worker new weights, as every step but the last does). Each process runs under a
+with the demo's flags and --steps 1 (grpo_train.py, TRAINER=grpo_train) or 2 (simple_grpo/train.py, the default:
+its first step sends its generation worker new weights, as every step but the last does). Each process runs under a
 tracer (sys.settrace and threading.settrace) that notes each function of the project's files it enters and whom
 from; a process the traced one starts with multiprocessing (the worker: a spawned interpreter) traces itself into
 a record of its own (trace_call). Then two counts, file by file:
@@ -42,12 +43,14 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # as `python script.py` has it for the scripts traced; tools.launch for this one
 RECORD = os.path.join(ROOT, "tools", "reading_path.json")  # grpo_train's (tests/test_step_numbers.py reads it too)
-RECORDS = {"grpo_vllm_one": os.path.join(ROOT, "tools", "reading_path_vllm_one.json"), "grpo_train": RECORD}
+RECORDS = {"full": os.path.join(ROOT, "tools", "reading_path_vllm_one.json"), "grpo_train": RECORD}
 GUIDE = os.path.join(ROOT, "docs", "guide.md")
-TRAINERS = ("grpo_vllm_one", "grpo_train")  # make demo's default first
-# steps traced: grpo_vllm_one sends the worker new weights after every step but the last (GRPO 5.), and the worker
+TRAINERS = ("full", "grpo_train")  # make demo's default first
+FILES = {"full": "simple_grpo/train.py", "grpo_train": "grpo_train.py"}  # each trainer's file
+COMMANDS = {"full": ["-m", "simple_grpo.train"], "grpo_train": ["grpo_train.py"]}  # what follows `python`
+# steps traced: the full trainer sends the worker new weights after every step but the last (GRPO 5.), and the worker
 # loads them before it samples the batch after next: two steps run both
-STEPS = {"grpo_vllm_one": 2, "grpo_train": 1}
+STEPS = {"full": 2, "grpo_train": 1}
 RUN_NAME = "reading_path_trace"
 CONFIG_CLASSES = (("simple_grpo.task.problems", "DataConfig"), ("simple_grpo.protocol", "ServerConfig"))
 
@@ -60,11 +63,11 @@ LEFT_OUT = [
     ("simple_grpo/trainer/memory_plan.py", "--plan's memory plan: prints and stops only with --plan"),
     ("simple_grpo/protocol.py:check_reference", "the check that the server holds our model; changes no number"),
     ("simple_grpo/http_server.py", "the server's HTTP: checks each upload, bounds connections"),
-    ("grpo_train.py:check_one_process", "refuses the flags only grpo_vllm_one.py has"),
+    ("grpo_train.py:check_one_process", "refuses the flags only simple_grpo/train.py has"),
     ("simple_grpo/trainer/config.py:check_values", "refuses bad values, sets nothing"),
     ("simple_grpo/task/problems.py:check_task", "refuses bad task values, sets nothing"),
     ("simple_grpo/trainer/deepspeed_engine.py:leave_process_group", "after the last step"),
-    ("grpo_vllm_one.py:Config.__post_init__", "refuses --gen_* values that cannot run"),
+    ("simple_grpo/train.py:Config.__post_init__", "refuses --gen_* values that cannot run"),
     *((f"simple_grpo/generation/workers.py:WorkerProgress.{name}", "the progress bar's text and the deadlines of the "
        "trainer's waits; changes no number") for name in ("__init__", "update", "describe", "check_deadline")),
     ("simple_grpo/generation/workers.py:check_workers", "stops the run, naming a worker that died"),
@@ -118,8 +121,9 @@ def tracing(out):
 
 
 def trace_script(out, script, args):
-    """Run script with args as `python script args` would, traced into out. A process it starts with
-    multiprocessing runs trace_call instead of its target: traced too, into out's name with the process's."""
+    """Run script with args as `python script args` would (script "-m": args start with a module, as `python -m
+    module args`), traced into out. A process it starts with multiprocessing runs trace_call instead of its
+    target: traced too, into out's name with the process's."""
     from multiprocessing.process import BaseProcess
     from tools.reading_path import trace_call  # by its module's name: the child imports it from there
     start = BaseProcess.start
@@ -131,6 +135,12 @@ def trace_script(out, script, args):
 
     BaseProcess.start = start_traced
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    if script == "-m":  # the module is __main__, with its __spec__: a spawned child imports it by its name
+        module, *args = args
+        sys.argv = [module, *args]
+        with tracing(out):
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return
     sys.argv = [script, *args]
     with tracing(out):
         runpy.run_path(script, run_name="__main__")
@@ -224,19 +234,19 @@ def trace_step(trainer, workdir):
                 raise SystemExit("reading_path: the traced ref server did not start: "
                                  + open(server_log.name).read()[-2000:])
             time.sleep(0.5)
-        run = subprocess.run([sys.executable, __file__, "--trace", out["trainer"], f"{trainer}.py", *TINY_WORLD_FLAGS,
-                              "--ref_url", f"http://127.0.0.1:{port}", "--run_name", RUN_NAME, "--overwrite",
-                              "--seed", "0", "--steps", str(STEPS[trainer])], cwd=ROOT, env=env, capture_output=True,
-                             text=True)
+        run = subprocess.run([sys.executable, __file__, "--trace", out["trainer"], *COMMANDS[trainer],
+                              *TINY_WORLD_FLAGS, "--ref_url", f"http://127.0.0.1:{port}", "--run_name", RUN_NAME,
+                              "--overwrite", "--seed", "0", "--steps", str(STEPS[trainer])], cwd=ROOT, env=env,
+                             capture_output=True, text=True)
         if run.returncode != 0:
-            raise SystemExit(f"reading_path: the traced step of {trainer}.py failed: {run.stderr[-3000:]}")
+            raise SystemExit(f"reading_path: the traced step of {FILES[trainer]} failed: {run.stderr[-3000:]}")
     finally:
         server.terminate()
         server.wait(timeout=60)
         server_log.close()
         shutil.rmtree(os.path.join(ROOT, runs_root(), RUN_NAME), ignore_errors=True)
     stem = out["trainer"][:-len(".json")]
-    for path in glob.glob(stem + ".*.json"):  # the processes it started: grpo_vllm_one.trainer.gen_worker_0.json
+    for path in glob.glob(stem + ".*.json"):  # the processes it started: full.trainer.gen_worker_0.json
         out[path[len(stem) + 1:-len(".json")]] = path
     return {name: json.load(open(path)) for name, path in sorted(out.items())}
 
@@ -417,7 +427,7 @@ def table(trace, trainer):
     the whole trace's; the totals; then what the subset leaves out, and why."""
     also = ALSO_COUNTED.get(trainer, [])
     (subset, left_out), (whole, _) = count(trace, also_counted=also), count(trace, whole=True, also_counted=also)
-    order = sorted(whole, key=lambda f: (f != f"{trainer}.py", f != "grpo_math.py", f))
+    order = sorted(whole, key=lambda f: (f != FILES[trainer], f != "grpo_math.py", f))
     names = lambda functions, leave=(): ", ".join(f"`{name}` ({n})" for name, n in functions.items()  # noqa: E731
                                                    if "<locals>" not in name and name not in leave) or "-"
     lines = ["| # | file | functions entered: the reader's (lines) | constants; config fields read | "
@@ -482,7 +492,7 @@ def main():
     if args.record or args.guide:
         write_guide()
     for trainer in trainers:
-        print(f"{trainer}.py:\n{table(recorded(trainer), trainer)}\n")
+        print(f"{FILES[trainer]}:\n{table(recorded(trainer), trainer)}\n")
 
 
 if __name__ == "__main__":

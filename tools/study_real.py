@@ -6,7 +6,7 @@ answers-only problems, SmolLM2-135M-Instruct, two starts x three seeds, and the 
     python tools/study_real.py --analyse_only  # the table, verdict and plot from the runs done so far
 
 For each start (tools/warm_start.py on the first 300 worked solutions, --start_seed 0 and 1, cached), each seed
-and each arm, grpo_vllm_one.py trains --steps steps (80) on the other 19,700 problems' final answers with the
+and each arm, simple_grpo.train trains --steps steps (80) on the other 19,700 problems' final answers with the
 recipe (tools/smollm2_recipe.py) on the correctness reward alone, saving step --steps/2 and --steps;
 both and the start are evaluated greedily on the 500 test problems, and step --steps and the start by pass@k
 (8 samples at the training temperature on the first 200). A run, an evaluation, a start whose files exist is not
@@ -31,7 +31,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from simple_grpo.evaluation import (details_accuracy, equivalence_verdict, interval_across,  # noqa: E402
                                     pass_at_k, pass_at_k_curve, read_details)
-from tools.launch import ROOT, cached_evaluate, child_env, run_child, smollm2_warm_start  # noqa: E402
+from tools.launch import ROOT, TRAINER_ARGS, cached_evaluate, child_env, run_child, smollm2_warm_start  # noqa: E402
 from tools.smollm2_recipe import (EVAL_FLAGS, FEW_START_FLAGS, SYSTEM_PROMPT, TRAIN_FLAGS,  # noqa: E402
                                             write_answers_only)
 from simple_grpo.task.problems import TaskConfig  # noqa: E402
@@ -59,9 +59,10 @@ def start_of(start_seed, env, dry_run):
 
 
 def train_command(args, start, answers_only, start_seed, seed, arm):
-    """grpo_vllm_one.py's command line for one arm of one run: the recipe, the correctness reward alone, the arm."""
+    """The full trainer's command line (after python) for one arm of one run: the recipe, the correctness reward
+    alone, the arm."""
     name = f"{args.name}_start{start_seed}_seed{seed}_{arm}"
-    return name, ["grpo_vllm_one.py", "--model", start, "--dataset", answers_only, "--system_prompt", SYSTEM_PROMPT,
+    return name, [*TRAINER_ARGS["full"], "--model", start, "--dataset", answers_only, "--system_prompt", SYSTEM_PROMPT,
                   *TRAIN_FLAGS, *CORRECTNESS_ONLY, *ARMS[arm], "--steps", str(args.steps),
                   "--save_every", str(args.steps // 2), "--log_completions_every", "0", "--seed", str(seed),
                   "--run_name", name, "--overwrite"]
@@ -108,7 +109,7 @@ def run_study(args, env):
                 if args.dry_run:
                     print(f"run {name}: {' '.join(cmd)}")
                 elif not os.path.isdir(last):
-                    run_child(cmd, env, f"grpo_vllm_one.py ({name})")
+                    run_child(cmd, env, f"simple_grpo.train ({name})")
                 half = os.path.join(run_dir, f"step_{args.steps // 2}")
                 done[name] = {"start": f"start{start_seed}", "seed": seed, "arm": arm,
                               "greedy_half": evaluate_once("greedy_half", half, run_dir, env, greedy_args(args),

@@ -1,4 +1,4 @@
-"""grpo_vllm_one.py's generation workers as the trainer sees them: spawned processes that talk to it only through
+"""The full trainer's generation workers as its trainer sees them: spawned processes that talk to it only through
 their Channels; which makes which rank's batch; what they report while the trainer waits; their stop."""
 import dataclasses
 import os

@@ -1,4 +1,4 @@
-"""Where an update's seconds go, phase by phase: grpo_vllm_one.py --time_phases (bench/gpu_scale.py sets it) logs
+"""Where an update's seconds go, phase by phase: simple_grpo.train --time_phases (bench/gpu_scale.py sets it) logs
 them to metrics.jsonl as keys ending in _s (timings: tools/compare_runs.py leaves them out). An update that is not
 timed imports none of this: no hook, no wait.
 
@@ -9,7 +9,7 @@ timed imports none of this: no hook, no wait.
   backward     the rest of backward: the layers' gradients and DeepSpeed's reduction of them
   loss         grpo_math.grpo_loss on the log-probs
   optimizer    engine.step(): the clip, AdamW and the copies back
-and, where the update is profiled (grpo_vllm_one.py --profile_step, CUDA only), apart from the phases:
+and, where the update is profiled (simple_grpo.train --profile_step, CUDA only), apart from the phases:
   gpu_wait     the update's seconds in which the GPU ran no kernel and no copy (torch.profiler's trace)
 
 timed_update puts hooks on the model and wrappers on the engine's methods for one update, each marking where a

@@ -1,6 +1,6 @@
 """--plan: what a GRPO run will need on its GPUs and host, from the model's config alone, as a table and one JSON
 line (GB: 10^9 bytes; docs/gpu_notes.md checks it against runs), e.g. for 8 training ranks on one node:
-    WORLD_SIZE=8 python grpo_vllm_one.py --plan --model configs/qwen2.5-7b --dtype bfloat16 --zero_stage 2"""
+    WORLD_SIZE=8 python -m simple_grpo.train --plan --model configs/qwen2.5-7b --dtype bfloat16 --zero_stage 2"""
 import functools
 import json
 import math
@@ -163,7 +163,7 @@ def detected_gpu_gb():
 
 
 def vllm_shares_training_gpu(cfg, world_size):
-    """Whether grpo_vllm_one's vLLM will run on a training GPU of this node, and the layout in words:
+    """Whether the full trainer's vLLM will run on a training GPU of this node, and the layout in words:
     for --plan_gpus N GPUs (the first world_size of them train), else for this machine's; with neither,
     vLLM is planned on a GPU of its own."""
     gpus = list(range(cfg.plan_gpus)) if cfg.plan_gpus else physical_gpus()
@@ -176,7 +176,7 @@ def vllm_shares_training_gpu(cfg, world_size):
 
 
 def plan_memory(cfg, world_size=1, gpu_gb=None):
-    """The plan for a trainer's config `cfg` (grpo_train's or grpo_vllm_one's): bytes per row for the
+    """The plan for a trainer's config `cfg` (grpo_train's or simple_grpo.train's): bytes per row for the
     training GPU, the generation GPU and the host, `fits`, `reasons` (why, and what to change) and the
     summary keys of plan_json.
 
@@ -190,7 +190,7 @@ def plan_memory(cfg, world_size=1, gpu_gb=None):
     shared copies, a checkpoint save's copy; and PROCESS_RUNTIME a process. Not counted: the ref server's model."""
     dtype, stage, offload = cfg.dtype, cfg.zero_stage, cfg.offload_optimizer
     checkpointing = cfg.gradient_checkpointing
-    uses_vllm = hasattr(cfg, "gen_memory")  # grpo_vllm_one; grpo_train generates on the training GPU
+    uses_vllm = hasattr(cfg, "gen_memory")  # simple_grpo.train; grpo_train generates on the training GPU
     tp = cfg.gen_tp if uses_vllm else 1
     shared, layout = vllm_shares_training_gpu(cfg, world_size) if uses_vllm else (False, "no vLLM")
     gen_memory = vllm_memory_share(cfg.gen_memory if uses_vllm else 0.0, shared_gpu=shared)

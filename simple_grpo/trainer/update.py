@@ -1,5 +1,5 @@
-"""grpo_vllm_one.py's GRPO update (grpo_train.py writes it out plainly): log-probs, loss, backward and one optimizer
-step, in micro-batches, on several ranks and iterations."""
+"""The full trainer's GRPO update (simple_grpo/train.py; grpo_train.py writes it out plainly): log-probs, loss,
+backward and one optimizer step, in micro-batches, on several ranks and iterations."""
 import math
 
 import torch

@@ -1,9 +1,10 @@
-r"""grpo_vllm_one.py: the fast GRPO trainer. vLLM generates the next batches while DeepSpeed trains.
+r"""simple_grpo/train.py: the full GRPO trainer, every feature. vLLM generates the next batches while DeepSpeed trains.
+(grpo_vllm_one.py, the lesson, is its default step alone.)
 
     python ref_server.py &                 # the frozen reference model (the tiny default)
-    python grpo_vllm_one.py                # tiny default model and toy task, on CPU
+    python -m simple_grpo.train            # tiny default model and toy task, on CPU
     python ref_server.py --model Qwen/Qwen2.5-0.5B &      # GPU 0; the server must hold the trainer's --model
-    deepspeed --include localhost:2 grpo_vllm_one.py --gen_device 1 --model Qwen/Qwen2.5-0.5B \
+    deepspeed --include localhost:2 --module simple_grpo.train --gen_device 1 --model Qwen/Qwen2.5-0.5B \
         --dataset openai/gsm8k --dataset_config main      # the trainer on GPU 2, vLLM on GPU 1
 
 The generation worker (gen_worker, a process of its own) does `# GRPO 1.` sample and `2.` score and group, and
@@ -53,7 +54,7 @@ from simple_grpo.trainer.update import grpo_update, reference_logps
 
 @dataclass
 class Config(TrainerConfig):
-    """grpo_vllm_one.py's flags: the trainers', the generation worker's, and this script's."""
+    """The full trainer's flags: the trainers', the generation worker's, and this script's."""
     SECTIONS = {**TrainerConfig.SECTIONS, "gen_device": "the generation worker (vLLM)", "run_name": "this script"}
     gen_device: int = flag(-1, "vLLM's first GPU as nvidia-smi numbers it; -1: the first no trainer rank uses")
     gen_tp: int = flag(1, "vLLM tensor-parallel size: only 1 (more GPUs for sampling: --gen_workers K)")
@@ -84,7 +85,7 @@ class Config(TrainerConfig):
 
     def __post_init__(self):  # refuses generation flags that cannot run
         if self.gen_tp != 1:  # tensor-parallel vLLM would pickle load_weights' iterator to its processes: it cannot
-            raise SystemExit(f"--gen_tp {self.gen_tp}: grpo_vllm_one.py syncs weights only into a vLLM of one GPU "
+            raise SystemExit(f"--gen_tp {self.gen_tp}: simple_grpo/train.py syncs weights only into a vLLM of one GPU "
                              "(--gen_tp 1). For more sampling, run --gen_workers K one-GPU vLLM workers")
         if self.startup_order not in ("auto", "vllm_first", "together"):
             raise SystemExit(f"unknown --startup_order {self.startup_order!r}: use auto, vllm_first or together")
