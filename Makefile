@@ -1,6 +1,6 @@
 # Two commands do the whole set-up on a fresh machine (Python 3.11 and pip):
 #   make demo   the main job: GRPO on the tiny default world, before/after (CPU is fine; SEED=1 for another
-#               seed, TRAINER=grpo_train for the simple trainer instead of the full one, LORA=1 for adapters)
+#               seed; TRAINER=full for the full trainer, TRAINER=grpo_train for the simplest; LORA=1 for adapters)
 #   make demo-real   a real pretrained model (SmolLM2-135M-Instruct) learns on this CPU (SEED=1 for another seed)
 #   make test   the test suite (what CI runs); `make test-all` adds the slow end-to-end tests
 #   make test-gpu   checks a GPU machine in one command (tests/test_gpu.py, ~20 min; skips where CUDA is absent;
@@ -17,17 +17,17 @@ install:
 # N: SEED; environment: tools/launch.py's child_env):
 #   python evaluate.py --model models/tiny-math --dataset data/toy_math/test.jsonl --json          # before
 #   python ref_server.py --model models/tiny-math --port PORT --threads 2 &      # waits until its /health answers
-#   python -m simple_grpo.train --ref_url http://127.0.0.1:PORT --lr 1e-4 --run_name demo_vllm_seedN \
-#       --overwrite --seed N --steps 650  # every other flag at its default; it starts its vLLM worker itself
+#   python grpo_vllm_one.py --ref_url http://127.0.0.1:PORT --lr 1e-4 --run_name demo_vllm_seedN \
+#       --overwrite --seed N --steps 650  # every other flag at its default; it starts its vLLM process itself
 #   (the ref server is stopped once the trainer ends)
 #   python evaluate.py --model runs/demo_vllm_seedN/step_650 --dataset data/toy_math/test.jsonl --json   # after
 #   python tools/view_run.py runs/demo_vllm_seedN                                  # runs/demo_vllm_seedN/report.html
-# TRAINER=grpo_train: grpo_train.py, into runs/demo_seedN; TRAINER=grpo_vllm_one: the lesson. LORA=1: no ref
-# server, and --use_peft --lora_target_modules all-linear --lr 3e-4 in place of --ref_url and --lr
-# (runs/demo_lora_vllm_seedN).
-# One step of it, read: docs/guide.md, "Reading one step of make demo".
+# TRAINER=full: python -m simple_grpo.train, the same step with every feature, into runs/demo_full_seedN;
+# TRAINER=grpo_train: grpo_train.py, into runs/demo_seedN. LORA=1: the full trainer, no ref server, and --use_peft
+# --lora_target_modules all-linear --lr 3e-4 in place of --ref_url and --lr (runs/demo_lora_full_seedN).
+# One step of it, read: grpo_vllm_one.py, top to bottom (with grpo_math.py).
 SEED ?= 0
-TRAINER ?= full
+TRAINER ?= grpo_vllm_one
 LORA ?=
 demo: install
 	$(PY) tools/demo.py --seed $(SEED) --trainer $(TRAINER) $(if $(LORA),--lora)

@@ -33,15 +33,20 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=650)
-    # full (simple_grpo/train.py, grpo_vllm_one.py's step with every feature): its worker samples the next batch
-    # while the trainer computes (bench/trainers.py compares the trainers)
-    ap.add_argument("--trainer", default="full", choices=list(TRAINER_ARGS))
-    ap.add_argument("--lora", action="store_true", help="train LoRA adapters (--use_peft with LORA_FLAGS)")
-    ap.add_argument("--run_name", default=None, help="default: demo_seedN (grpo_train), demo_vllm_seedN, demo_lora_...")
+    # grpo_vllm_one, the lesson: vLLM samples the next batch while the trainer computes; full: the same step with
+    # every feature (python -m simple_grpo.train); grpo_train: the policy samples for itself
+    ap.add_argument("--trainer", default="grpo_vllm_one", choices=list(TRAINER_ARGS))
+    ap.add_argument("--lora", action="store_true", help="train LoRA adapters (--use_peft with LORA_FLAGS): the full "
+                                                        "trainer's (or grpo_train.py's, with --trainer grpo_train)")
+    ap.add_argument("--run_name", default=None, help="default: demo_vllm_seedN (the lesson), demo_full_seedN, "
+                                                     "demo_seedN (grpo_train), demo_lora_...")
     ap.add_argument("train_args", nargs="*", help="extra trainer flags, after --")
     args = ap.parse_args()
-    run_name = args.run_name or (f"demo_{'lora_' if args.lora else ''}{'' if args.trainer == 'grpo_train' else 'vllm_'}"
-                                 f"seed{args.seed}")
+    if args.lora and args.trainer == "grpo_vllm_one":
+        print("--lora: LoRA is the full trainer's (python -m simple_grpo.train); the lesson has none")
+        args.trainer = "full"
+    names = {"grpo_vllm_one": "vllm_", "full": "full_", "grpo_train": ""}
+    run_name = args.run_name or (f"demo_{'lora_' if args.lora else ''}{names[args.trainer]}seed{args.seed}")
     # busy processes (trainer, ref server, vLLM worker) share the cores: OpenMP threads must sleep, not spin, while idle
     env = child_env()
     t0 = time.time()

@@ -53,13 +53,26 @@ def start_vllm(cfg, compile=False, block_size=None, max_seqs=None):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     quiet_vllm()
     from vllm import LLM
+    return LLM(**engine_args(cfg, compile, block_size, max_seqs))
+
+
+def engine_args(cfg, compile=False, block_size=None, max_seqs=None):
+    """start_vllm's arguments to vllm.LLM (grpo_vllm_one.py's vllm_args, its copy, is held equal to them)."""
     if block_size is None and not torch.cuda.is_available():
         block_size = CPU_BLOCK_SIZE
-    return LLM(model=cfg.model, dtype=cfg.dtype, seed=cfg.seed, tensor_parallel_size=cfg.gen_tp,
-               enforce_eager=not (torch.cuda.is_available() or compile), max_model_len=cfg.max_model_len,
-               gpu_memory_utilization=vllm_memory_share(cfg.gen_memory, shared_gpu=True),
-               logprobs_mode="processed_logprobs", **({"block_size": block_size} if block_size else {}),
-               **({"max_num_seqs": max_seqs} if max_seqs else {}))
+    return dict(model=cfg.model, dtype=cfg.dtype, seed=cfg.seed, tensor_parallel_size=cfg.gen_tp,
+                enforce_eager=not (torch.cuda.is_available() or compile), max_model_len=cfg.max_model_len,
+                gpu_memory_utilization=vllm_memory_share(cfg.gen_memory, shared_gpu=True),
+                logprobs_mode="processed_logprobs", **({"block_size": block_size} if block_size else {}),
+                **({"max_num_seqs": max_seqs} if max_seqs else {}))
+
+
+def sampling_args(cfg, stop_ids):
+    """sample's SamplingParams: G completions a prompt from softmax(logits / T), each to its first stop token."""
+    return dict(n=cfg.num_generations, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
+                **({"min_tokens": cfg.min_new_tokens} if cfg.min_new_tokens else {}), stop_token_ids=list(stop_ids),
+                logprobs=0,  # just the sampled token's
+                detokenize=False)  # token ids are all we use: no text, no per-token decoding
 
 
 def stop_vllm(llm):
@@ -78,10 +91,7 @@ def sample(llm, prompts, cfg, stop_ids=None):
     from vllm import SamplingParams
     if stop_ids is None:
         stop_ids = stop_token_ids(llm.get_tokenizer(), cfg.prompt_format, cfg.model)
-    params = SamplingParams(n=cfg.num_generations, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
-                            min_tokens=cfg.min_new_tokens, stop_token_ids=list(stop_ids),
-                            logprobs=0,  # just the sampled token's
-                            detokenize=False)  # token ids are all we use: no text, no per-token decoding
+    params = SamplingParams(**sampling_args(cfg, stop_ids))
     outputs = llm.generate(prompts, params, use_tqdm=False)
     pad = llm.get_tokenizer().pad_token_id
     completions = [c for out in outputs for c in out.outputs]
