@@ -159,10 +159,11 @@ def test_the_ref_server_hands_each_run_its_own_groups_and_drops_stale_ones():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("trainer, stage, workers, options", [("full", 3, 1, []), ("full", 2, 2, []),
-                                                             ("full", 3, 1, ["--micro_batch_groups", "1"])])
+                                                             ("full", 3, 1, ["--micro_batch_groups", "1"]),
+                                                             ("grpo_vllm_one", 2, 1, [])])
 def test_two_ranks_with_a_ref_server(trainer, stage, workers, options):
     """deepspeed --num_gpus 2 (grpo_train.py runs one process: tests/test_grpo_train.py checks it says so):
-    the full trainer's one vLLM worker (on rank 0) makes a batch for each rank, which the
+    the full trainer's one vLLM worker (on rank 0; the lesson's too) makes a batch for each rank, which the
     server routes by run_id, and under ZeRO-3 both ranks gather the weights for each sync; with
     --gen_every 1 two workers (one per rank, as on two nodes) feed the one server. Every group comes
     back, rank 0 logs, the checkpoint is whole, and no process is left behind. With --micro_batch_groups 1
@@ -203,7 +204,7 @@ def test_two_ranks_with_a_ref_server(trainer, stage, workers, options):
         stats = requests.get(f"http://127.0.0.1:{port}/stats", timeout=5).json()
         assert stats["groups_taken"] + stats["ready"] + stats["waiting"] == stats["groups_in"], stats  # none lost
         assert stats["groups_taken"] >= 2 * 3, stats  # each rank took at least a group a step
-        assert len(family) >= 2 and len(spawned) == (workers if trainer == "full" else 0), spawned
+        assert len(family) >= 2 and len(spawned) == (0 if trainer == "grpo_train" else workers), spawned
         _, alive = psutil.wait_procs(family, timeout=30)
         assert not alive, [(p.pid, p.name()) for p in alive]
     finally:
