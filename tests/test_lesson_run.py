@@ -43,6 +43,7 @@ def first_difference(mine, theirs):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # two runs of ~3 min each on an idle machine, 10+ on a busy one
 def test_60_demo_steps_of_the_lesson_are_the_full_trainers(server):  # noqa: F811
     steps = 60
     mine = demo_run(["grpo_vllm_one.py"], server, "lesson_60", steps)
