@@ -71,10 +71,11 @@ GPU_SCALE_7b := --config configs/qwen2.5-7b --lora -- --gradient_checkpointing
 bench-gpu: install
 	$(PY) bench/gpu_scale.py --steps $(STEPS) $(if $(LENGTHS),--lengths $(LENGTHS)) $(if $(SIZE),$(or $(GPU_SCALE_$(SIZE)),$(error SIZE=$(SIZE): use 0.5b, 3b or 7b)))
 
-# TRL's GRPOTrainer against both trainers (README "Performance"); installs TRL, a bench-only dependency.
+# TRL's GRPOTrainer against grpo_train.py, the full trainer and the lesson (README "Performance"); installs TRL, a
+# bench-only dependency.
 bench-trl: install
 	@bash tools/install.sh requirements-bench.txt
-	$(PY) bench/compare_trl.py --steps 30 --skip 3 --lengths 32,256
+	$(PY) bench/compare_trl.py --steps 30 --skip 3 --lengths 32,256 --systems trl,grpo_train,full,grpo_vllm_one
 
 # The same on SmolLM2-135M-Instruct, make demo-real's recipe (docs/real_model.md); its warm start is made first (cached).
 bench-trl-real: smollm2

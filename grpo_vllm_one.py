@@ -57,6 +57,7 @@ class Config:
     batch_prompts: int = flag(8, "problems sampled per step: Q")
     num_generations: int = flag(8, "completions per problem: the group size G")
     max_new_tokens: int = flag(48, "the longest completion, in tokens")
+    min_new_tokens: int = flag(0, "no stop token before this many tokens (benchmarks at a fixed length)")
     temperature: float = flag(0.7, "sampling temperature; the log-probs are taken at it too")
     advantage_eps: float = flag(1e-4, "added to a group's reward std: equal rewards give 0, not 0/0")
     beta: float = flag(0.04, "weight of the KL penalty to the reference model")
@@ -214,7 +215,8 @@ def vllm_args(cfg, shared_gpu):
 def sampling_args(cfg, stop_ids):
     """G completions a prompt, from softmax(logits / T), each to its first stop token, with log-probs."""
     return dict(n=cfg.num_generations, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, logprobs=0,
-                stop_token_ids=stop_ids, detokenize=False)  # token ids, no text
+                stop_token_ids=stop_ids, detokenize=False,  # token ids, no text
+                **({"min_tokens": cfg.min_new_tokens} if cfg.min_new_tokens else {}))
 
 
 def exit_after(parent_pid):

@@ -208,7 +208,12 @@ def run_trl(completion_len, steps, skip, env, gradient_checkpointing, seed, worl
 
 # ---------------------------------------------------------------------------- our trainers
 def run_ours(trainer, completion_len, steps, skip, env, seed, world, w, gen_workers=1, gen_compile=True, extra=()):
-    flags = ["--model", w["model"], "--system_prompt", w["system_prompt"], "--batch_prompts", str(w["prompts"]),
+    lesson = trainer == "grpo_vllm_one"  # the default step's flags only: its prompt, its eager vLLM on a CPU
+    if lesson and (w["lora"] or w["system_prompt"] != SYSTEM_PROMPT):
+        raise SystemExit("the lesson (grpo_vllm_one) has no LoRA and no --system_prompt: this world is the full "
+                         "trainer's (--systems trl,full)")
+    flags = ([] if lesson else ["--system_prompt", w["system_prompt"]])
+    flags += ["--model", w["model"], "--batch_prompts", str(w["prompts"]),
              "--num_generations", str(GROUP), "--lr", str(w["lr"]), "--beta", str(w["beta"]),
              "--temperature", str(TEMPERATURE), "--seed", str(seed), "--max_new_tokens", str(completion_len)]
     flags += ["--min_new_tokens", str(completion_len)] if w["fixed_length"] else []
@@ -218,7 +223,7 @@ def run_ours(trainer, completion_len, steps, skip, env, seed, world, w, gen_work
     if trainer in VLLM_TRAINERS:
         flags += ["--max_model_len", "512"]  # the tiny model's context length
         flags += ["--gen_workers", str(gen_workers)] if trainer == "full" else []  # the lesson has one worker
-        flags += ["--gen_compile"] if gen_compile else []
+        flags += ["--gen_compile"] if gen_compile and not lesson else []
     name = (f"bench_{trainer}_{'' if world == 'tiny' else world + '_'}L{completion_len}"
             + (f"_k{gen_workers}" if gen_workers > 1 else ""))
     # a reference server only where there is a KL term and no LoRA base to stand in for it
@@ -228,7 +233,7 @@ def run_ours(trainer, completion_len, steps, skip, env, seed, world, w, gen_work
     result["peak_rss_trainer_mb"] = result["peak_rss_mb"]
     result["peak_rss_mb"] = result.pop("peak_rss_with_ref_mb")  # TRL's figure holds its reference model too
     if trainer in VLLM_TRAINERS:
-        result["gen_compile"] = gen_compile
+        result["gen_compile"] = gen_compile and not lesson
     return result
 
 
