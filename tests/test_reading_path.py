@@ -85,9 +85,9 @@ def test_the_trainers_file_counts_whole_and_another_files_function_its_whole_spa
     rows = count(trace(entered(LESSON, "main"), entered("grpo_math.py", "grpo_objective")))
     assert rows[LESSON]["lines"] == len(file_lines(LESSON))
     assert rows["grpo_math.py"]["lines"] == span("grpo_math.py", "grpo_objective")
-    first, last = (reading_path.definitions("grpo_math.py")[0]["grpo_objective"].lineno,
-                   reading_path.definitions("grpo_math.py")[0]["grpo_objective"].end_lineno)
-    assert rows["grpo_math.py"]["characters"] == sum(len(line) + 1 for line in file_lines("grpo_math.py")[first - 1:last])
+    node = reading_path.definitions("grpo_math.py")[0]["grpo_objective"]
+    lines = file_lines("grpo_math.py")[node.lineno - 1:node.end_lineno]
+    assert rows["grpo_math.py"]["characters"] == sum(len(line) + 1 for line in lines)
 
 
 def test_a_file_imported_counts_the_code_it_runs_on_import_but_not_its_functions():
