@@ -14,7 +14,8 @@ the trainer straight). The trainer (main) does `3.` take the batch, `4.` the upd
 
 While the trainer computes step s, the worker samples step s+1's batch with weights at most --max_policy_lag versions
 behind (WorkerSchedule); each token's policy-gradient term is weighted by min(pi_old / pi_vLLM, --tis_cap) (biased
-where the cap binds; the KL term is not). One step, file by file: docs/guide.md, "Reading one step of `make demo`".
+where the cap binds; the KL term is not). The same default step, read in one file: grpo_vllm_one.py (the lesson;
+tests/test_lesson.py and tests/test_lesson_run.py hold the two equal).
 """
 import dataclasses
 import os
