@@ -1,4 +1,5 @@
-"""The GRPO math, written once and imported by both trainers.
+"""The GRPO math, written once: the lessons (grpo_train.py, grpo_vllm_one.py), ref_server.py and the full
+trainer (simple_grpo/) import it.
 
 For each prompt we sample a group of G completions, score them, and push up the
 log-probability of the better-than-average ones (Shao et al. 2024, DeepSeekMath):
@@ -12,8 +13,9 @@ log-probability of the better-than-average ones (Shao et al. 2024, DeepSeekMath)
 
 old_logp is pi_old: the trainer's own log-probs before the step (so ratio_t is 1 in a step's first
 iteration, and only its gradient counts). In grpo_train.py that policy sampled, and w_t is 1. In
-grpo_vllm_one.py vLLM sampled, with older weights (--max_policy_lag) and other kernels; w_t, detached,
-corrects for that. With --tis_cap 0 there is no w_t, and vLLM's log-probs are old_logp.
+grpo_vllm_one.py vLLM sampled, with weights one update older and other kernels; w_t, detached, corrects
+for that. (The full trainer: up to --max_policy_lag updates older; with --tis_cap 0 no w_t, and vLLM's
+log-probs are old_logp.)
 
 grpo_objective, first below, is that loss in a dozen lines, for reading. grpo_loss, last, computes the
 same number with the variants of the papers that followed as options (names as in TRL's GRPOConfig; each

@@ -62,7 +62,7 @@ class Config:
     advantage_eps: float = flag(1e-4, "added to a group's reward std: equal rewards give 0, not 0/0")
     beta: float = flag(0.04, "weight of the KL penalty to the reference model")
     epsilon: float = flag(0.2, "PPO clip range: the ratio is clipped to [1 - epsilon, 1 + epsilon]")
-    tis_cap: float = flag(2.0, "each token's weight is min(pi_old / pi_vLLM, tis_cap)")
+    tis_cap: float = flag(2.0, "each token's weight is min(pi_old / pi_vLLM, tis_cap); > 0")
     lr: float = flag(0.0, "AdamW's learning rate; 0: 1e-4 for the tiny default model, 1e-6 for others")
     max_grad_norm: float = flag(1.0, "the gradients' global 2-norm is clipped to this before each step")
     max_model_len: int = flag(512, "vLLM's context: prompt + completion")
@@ -79,7 +79,7 @@ class Config:
     save_every: int = flag(100, "steps between checkpoints (HF format; one at the end too)")
     log_completions_every: int = flag(10, "every N steps, one group's completions to completions.jsonl")
     seed: int = flag(0, "seed of the problem draws, the sampling and the trainer")
-    threads: int = flag(1, "the trainer's CPU threads (vLLM takes the last core, of its own)")
+    threads: int = flag(1, "the trainer's CPU threads (vLLM's process is pinned to the last core)")
     startup_timeout: float = flag(1200.0, "seconds vLLM may take to start")
     data_timeout: float = flag(600.0, "seconds to wait for a batch, or for new weights, once vLLM is up")
     peer_timeout: float = flag(30.0, "seconds the ref server may not answer before the run stops")
@@ -162,7 +162,7 @@ def score(completion, answer):
 def ref_request(cfg, method, path, **kw):
     """One HTTP call to the ref server, tried again while it does not answer, for --peer_timeout seconds."""
     token = cfg.ref_token or os.environ.get("SIMPLE_GRPO_TOKEN", "")
-    headers, first_failure = ({"Authorization": f"Bearer {token}"} if token else {}), time.time()
+    headers, start = ({"Authorization": f"Bearer {token}"} if token else {}), time.time()
     while True:
         try:
             r = requests.request(method, cfg.ref_url + path, headers=headers, timeout=cfg.peer_timeout, **kw)
@@ -170,7 +170,7 @@ def ref_request(cfg, method, path, **kw):
                 raise SystemExit(f"ref server at {cfg.ref_url}{path}: HTTP {r.status_code} {r.text[:200]}")
             return r
         except requests.RequestException as e:
-            if time.time() - first_failure > cfg.peer_timeout:
+            if time.time() - start > cfg.peer_timeout:
                 raise SystemExit(f"ref server at {cfg.ref_url} has not answered for {cfg.peer_timeout:.0f} s "
                                  f"({type(e).__name__}): is `python ref_server.py` running?") from None
             time.sleep(1.0)
@@ -203,7 +203,7 @@ def take_group(cfg, run_id, deadline_s, worker):
 # ---------------------------------------------------------------------------- the generation process
 def vllm_args(cfg, shared_gpu):
     """vLLM's engine: log-probs after temperature, as the trainer computes them; no CUDA graphs on a CPU,
-    where gpu_memory_utilization is the share of the machine's memory it takes."""
+    where VLLM_CPU_KVCACHE_SPACE (gen_worker: 1 GiB) sizes the KV cache."""
     on_gpu = torch.cuda.is_available()
     return dict(model=cfg.model, dtype=cfg.dtype, seed=cfg.seed, tensor_parallel_size=1,
                 enforce_eager=not on_gpu, max_model_len=cfg.max_model_len,
@@ -275,18 +275,18 @@ def gen_worker(cfg, run_id, n_ranks, cores, shared_gpu, channels):
         rewards = torch.tensor([s["reward"] for s in scores])             # (B,)
         advantages = group_advantages(rewards, G, eps=cfg.advantage_eps)  # (B,) (r - mean) / (std + eps)
         has_signal = groups_with_signal(advantages, G)                    # (Q,) some advantage is not 0
-        kept, kept_lengths = torch.nonzero(has_signal).flatten().tolist(), until_stop.sum(1)
+        kept, lengths_to_stop = torch.nonzero(has_signal).flatten().tolist(), until_stop.sum(1)  # (B,)
         figures = {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
                    "accuracy": sum(s["correctness"] for s in scores) / len(scores),
                    "format_rate": sum(s["format"] for s in scores) / len(scores),
-                   "completion_len": kept_lengths.float().mean().item(),
+                   "completion_len": lengths_to_stop.float().mean().item(),
                    "truncated_frac": is_truncated(completion_ids, stop_ids, lengths).float().mean().item(),
                    "zero_var_frac": 1 - has_signal.float().mean().item(), "gen_s": gen_s}
         meta = {"run_id": run_id + (f"-{batch_index % n_ranks}" if n_ranks > 1 else ""), "worker": 0,
                 "policy_version": version, "temperature": cfg.temperature, "batch_index": batch_index,
                 "groups_in_batch": len(kept), "rollout_figures": figures}  # for the rank that trains it
         for q in kept:  # each to the ref server, which adds ref_logps (G, C_q)
-            rows, C_q = slice(q * G, (q + 1) * G), int(kept_lengths[q * G:(q + 1) * G].max())
+            rows, C_q = slice(q * G, (q + 1) * G), int(lengths_to_stop[q * G:(q + 1) * G].max())
             group = {"prompt_ids": torch.tensor(outputs[q].prompt_token_ids), "rewards": rewards[rows],
                      "advantages": advantages[rows], "completion_ids": completion_ids[rows, :C_q],
                      "sampler_logps": sampler_logps[rows, :C_q]}
@@ -385,6 +385,9 @@ def parse_flags():
     if unknown:
         raise SystemExit(f"grpo_vllm_one.py (the lesson) has no {' '.join(unknown)}: every feature beyond its"
                          f" step is the full trainer's: python -m simple_grpo.train {' '.join(sys.argv[1:])}")
+    if cfg.tis_cap <= 0:
+        raise SystemExit(f"--tis_cap {cfg.tis_cap}: the lesson weights each token by min(pi_old / pi_vLLM,"
+                         " cap > 0); no weights, vLLM's log-probs as pi_old (--tis_cap 0): the full trainer")
     choices = {"zero_stage": (0, 1, 2), "dtype": ("float32", "bfloat16"), "loss_impl": ("torch", "triton")}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:

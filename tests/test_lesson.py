@@ -77,7 +77,8 @@ def test_a_full_trainer_flag_is_refused_by_name_with_the_full_trainers_command()
     assert "--use_peft" in out.stderr and "python -m simple_grpo.train --use_peft --steps 3" in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("flags", [["--zero_stage", "3"], ["--dtype", "float16"], ["--loss_impl", "cuda"]])
+@pytest.mark.parametrize("flags", [["--zero_stage", "3"], ["--dtype", "float16"], ["--loss_impl", "cuda"],
+                                   ["--tis_cap", "0.0"]])
 def test_a_value_the_lesson_cannot_take_is_refused_by_name(flags):
     out = subprocess.run([sys.executable, "grpo_vllm_one.py", *flags], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
