@@ -1,5 +1,7 @@
-"""Every number a default step uses is a flag: both trainers' --help list it with its default, and the step reads
-that value (the optimizer DeepSpeed builds, the loss's options, the fields the traced step reads)."""
+"""Every number a default step of the full trainer uses is a flag: its --help lists it with its default, and the
+step reads that value (the optimizer DeepSpeed builds, the loss's options, the fields the traced step reads). The
+lessons, grpo_train.py and grpo_vllm_one.py, write AdamW's numbers into their DeepSpeed dict instead:
+tests/test_grpo_train_copies.py and tests/test_lesson.py hold their dicts and flags equal to the full trainer's."""
 import dataclasses
 import inspect
 import json
@@ -12,17 +14,17 @@ import pytest
 
 from grpo_math import group_advantages, grpo_loss
 from simple_grpo.trainer.update import loss_options
-from tools.reading_path import RECORD, left_out_why
+from tools.reading_path import RECORDS, left_out_why
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAINERS = ("grpo_train.py", "-m simple_grpo.train")  # what follows `python`
+TRAINERS = ("-m simple_grpo.train",)  # what follows `python`
 OPTIMIZER = ("lr", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay", "max_grad_norm")
 CHANGED = {"lr": 3e-5, "adam_beta1": 0.8, "adam_beta2": 0.95, "adam_epsilon": 1e-6, "weight_decay": 0.1,
            "max_grad_norm": 0.5}
 # what DeepSpeed's optimizer holds for a step started with each list of flags: its first parameter group, the clip
 ENGINE = """
 import json, sys
-from grpo_train import Config
+from simple_grpo.train import Config
 from simple_grpo.flags import parse_flags
 from simple_grpo.trainer.config import check_options
 from simple_grpo.trainer.deepspeed_engine import leave_process_group, make_engine
@@ -94,7 +96,7 @@ def test_the_optimizer_takes_each_number_from_its_flag(engines):
 
 
 def test_the_loss_options_of_a_default_step_are_the_defaults_help_lists_and_grpo_losss_own(helps):
-    from grpo_train import Config
+    from simple_grpo.train import Config
     from simple_grpo.trainer.config import check_options
     cfg = Config()
     check_options(cfg)
@@ -119,21 +121,21 @@ def test_the_loss_options_of_a_default_step_are_the_defaults_help_lists_and_grpo
 
 
 def test_every_config_field_the_traced_default_step_reads_is_a_flag_with_its_default_in_help(helps):
-    from grpo_train import Config
+    from simple_grpo.train import Config
     from simple_grpo.trainer.config import TrainerConfig
-    with open(RECORD) as f:
+    with open(RECORDS["full"]) as f:
         fields = json.load(f)["trainer"]["fields"]
     read = {field for _, _, field, reader_file, reader in fields if not left_out_why(reader_file, reader)}
     assert {"num_generations", "temperature", "max_new_tokens", "beta", "epsilon", "lr"} <= read
-    shared = {f.name for f in dataclasses.fields(TrainerConfig)}  # simple_grpo.train's too; threads is each script's
+    assert {f.name for f in dataclasses.fields(TrainerConfig)} & read  # the trainers' shared flags among them
     for script in TRAINERS:
-        for field in read if script == "grpo_train.py" else read & shared:
+        for field in read:
             assert field in helps[script], (script, field)
             assert same(getattr(Config, field), helps[script][field][1]), (script, field, helps[script][field])
 
 
 def test_a_deepspeed_files_optimizer_numbers_become_the_flags_the_run_records(tmp_path, capsys):
-    from grpo_train import Config
+    from simple_grpo.train import Config
     from simple_grpo.trainer.config import check_options
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"gradient_clipping": 0.5, "optimizer": {"params": {
