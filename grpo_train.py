@@ -45,6 +45,7 @@ class Config:
     batch_prompts: int = flag(8, "problems sampled per step: Q")
     num_generations: int = flag(8, "completions per problem: the group size G")
     max_new_tokens: int = flag(48, "the longest completion, in tokens")
+    min_new_tokens: int = flag(0, "no stop token before this many tokens (benchmarks at a fixed length)")
     temperature: float = flag(0.7, "sampling temperature; the log-probs are taken at it too")
     advantage_eps: float = flag(1e-4, "added to a group's reward std: equal rewards give 0, not 0/0")
     beta: float = flag(0.04, "weight of the KL penalty to the reference model; 0: no ref server")
@@ -199,7 +200,8 @@ def generate(model, tokenizer, prompts, cfg, stop_ids):
         out = model.generate(input_ids=ids.repeat_interleave(G, 0), past_key_values=cache,
                              attention_mask=mask.repeat_interleave(G, 0), do_sample=True, top_k=0, top_p=1.0,
                              temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                             eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id)
+                             min_new_tokens=cfg.min_new_tokens, eos_token_id=stop_ids,
+                             pad_token_id=tokenizer.pad_token_id)
     model.generation_config = own_config
     model.train()
     return ids, mask, out[:, ids.size(1):]  # (Q, P), (Q, P), (B, C)

@@ -115,27 +115,30 @@ def test_the_deepspeed_config_is_the_full_trainers(stage, dtype):
     assert mine == flag_config(full_config(zero_stage=stage, dtype=dtype))
 
 
-def sample_both(model, tokenizer, prompts):
+def sample_both(model, tokenizer, prompts, min_new_tokens):
     """grpo_train.generate's and hf_sampler.generate's samples, each from torch's seed 0."""
     stop_ids = problems.stop_token_ids(tokenizer, "chat", TINY)
     torch.manual_seed(0)
-    flags = {"num_generations": 4, "max_new_tokens": 24}
+    flags = {"num_generations": 4, "max_new_tokens": 24, "min_new_tokens": min_new_tokens}
     mine = grpo_train.generate(model, tokenizer, prompts, grpo_train.Config(**flags), stop_ids)
     torch.manual_seed(0)
     theirs = hf_sampler.generate(model, tokenizer, prompts, full_config(**flags), stop_ids)
     return mine, theirs
 
 
-def test_the_sampler_is_hf_samplers_token_for_token():
+@pytest.mark.parametrize("min_new_tokens", [0, 24])  # 24: every completion is 24 tokens (a benchmark's)
+def test_the_sampler_is_hf_samplers_token_for_token(min_new_tokens):
     """The copy samples what simple_grpo/generation/hf_sampler.py samples (the prompt run once, its keys and
     values copied G times), from the same seed: every token, and the padded prompts."""
     tokenizer, model = AutoTokenizer.from_pretrained(TINY), AutoModelForCausalLM.from_pretrained(TINY)
     prompts = [grpo_train.make_prompt(tokenizer, p["question"]) for p in grpo_train.load_problems(
         grpo_train.Config())[:2]]
-    mine, theirs = sample_both(model, tokenizer, prompts)
+    mine, theirs = sample_both(model, tokenizer, prompts, min_new_tokens)
     for a, b in zip(mine, theirs):
         assert torch.equal(a, b)
-    assert mine[2].size(0) == 2 * 4 and model.training  # G per prompt; the model back in training mode
+    assert mine[2].size(0) == 2 * 4 and model.training
+    if min_new_tokens:
+        assert mine[2].size(1) == 24 and (mine[2] != tokenizer.pad_token_id).all()  # G per prompt; the model back in training mode
 
 
 def test_the_sampler_draws_from_the_temperature_softmax_whatever_the_models_generation_config_says():
