@@ -1,205 +1,352 @@
-"""grpo_train.py: the simplest complete GRPO trainer. One process samples with the policy itself and trains
-it; each pass of the loop below is one GRPO step, stage by stage, calling grpo_math.py for the math and
-simple_grpo/ for the sampler, the rewards, the ref server's client and the optimizer step (named below).
-Several ranks, --micro_batch_groups, --loss_impl triton and the shared-prompt path for the policy's own
-log-probs (simple_grpo/logprobs.py) are grpo_vllm_one.py's: here those log-probs are one plain forward.
+r"""grpo_train.py: the simplest GRPO trainer: one process, and the policy samples for itself. Read it with
+grpo_math.py (the math) and ref_server.py (the reference); grpo_vllm_one.py is its step with vLLM sampling.
 
-    python ref_server.py &          # the frozen reference model (the tiny default), 127.0.0.1:59875
-    python grpo_train.py            # tiny default model and toy task, on CPU
-    python ref_server.py --model Qwen/Qwen2.5-0.5B &    # the server must hold the trainer's --model (checked)
-    deepspeed --num_gpus 1 grpo_train.py --model Qwen/Qwen2.5-0.5B --dataset openai/gsm8k --dataset_config main
-    python grpo_train.py --beta 0           # no KL term: no reference server at all
-    python grpo_train.py --use_peft         # LoRA adapters; the base, adapters off, is the reference: no server
+    python ref_server.py &          # the frozen reference model (the tiny default), on 127.0.0.1
+    python grpo_train.py            # make demo TRAINER=grpo_train: the tiny model and the toy task, on CPU
+    python grpo_train.py --beta 0   # no KL term: no reference server at all
+    python ref_server.py --model Qwen/Qwen2.5-0.5B --device cuda:0 &
+    deepspeed --num_gpus 1 grpo_train.py --model Qwen/Qwen2.5-0.5B --dataset openai/gsm8k \
+        --dataset_config main
 
-Every step, in order (the lines marked `# GRPO n.` below; docs/guide.md's reading path lists, traced, the
-functions, constants and flags a step runs through):
-  1. draw `batch_prompts` (Q) problems and sample `num_generations` (G) completions for each with the
-     policy itself (transformers generate: simple_grpo/generation/hf_sampler.py, which runs each prompt once
-     and copies its KV cache G times, one copy per completion);
-  2. score them (simple_grpo/rollouts.py, simple_grpo/task/rewards.py) and form group-relative advantages;
-     keep the groups with a non-zero advantage (GRPO: their rewards differ; in the others every advantage is
-     0: with beta > 0 their KL term would still pull towards the reference; dropping them is a choice, TRL
-     keeps them, and saves their compute);
-  3. the reference model's log-probs of the same tokens, for the KL term: each kept group is uploaded to
-     ref_server.py and taken back with them (simple_grpo/protocol.py's reference_logps_from_server); with
-     LoRA: our own model, adapters off; with beta 0: none;
-  4. the policy's log-probs (grpo_math.completion_logps: each prompt once, its cache copied G times) and the GRPO
-     loss (grpo_math.grpo_loss: grpo_objective with TRL's options); backward; one AdamW step (DeepSpeed's
-     engine.step(), through simple_grpo/trainer/update.py's optimizer_step: --lr, --adam_beta1, --adam_beta2,
-     --adam_epsilon, --weight_decay, --max_grad_norm). --num_iterations > 1 repeats 4 on the same rollouts
-     (PPO's epochs).
-Every number a default step uses is a flag, `python grpo_train.py --help` lists each with its default
-(simple_grpo/trainer/config.py's TrainerConfig, and the task/problems.py TaskConfig it extends: G, T,
---max_new_tokens), the 1e-4 added to a group's reward std too (--advantage_eps; TRL's value).
-At start it prints every number of a step as one block, with why for each derived default (trainer/config.py's
-check_options). `make demo` runs grpo_vllm_one.py; its step, read: docs/guide.md, "Reading one step of `make demo`".
-runs/NAME/config.json holds every flag as resolved. It writes one JSON line per step to runs/NAME/metrics.jsonl
-(a step with no group kept logs its update's figures as null), checkpoints to runs/NAME/step_N/ (HF format, plus
-the state --resume continues from), and the curves to runs/NAME/curves.png.
+`# GRPO n.` marks the algorithm, the rest is plumbing. LoRA, resume, several ranks, the loss variants and the
+run doctor are the full trainer's: python -m simple_grpo.train --help. Q problems, G completions each, B=Q*G.
 """
+import argparse
+import json
 import os
 import random
+import re
+import shutil
+import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
+import requests
 import torch
+from safetensors.torch import load as load_message, save as save_message
 from tqdm import tqdm
+from transformers import AutoTokenizer, GenerationConfig, HfArgumentParser
 
 from grpo_math import (completion_logps, completion_mask, group_advantages, groups_with_signal, grpo_loss,
                        is_truncated)
-from simple_grpo.flags import flag, parse_flags
-from simple_grpo.generation.hf_sampler import generate
-from simple_grpo.protocol import check_reference, reference_logps_from_server, uses_ref_server
-from simple_grpo.rollouts import correct_rows, rollout_stats, score_groups
-from simple_grpo.run.checkpoints import check_run_dir, open_run, save_checkpoint
-from simple_grpo.run.completions_log import log_batch_completions
-from simple_grpo.run.doctor import RunDoctor, batch_summary
-from simple_grpo.run.metrics import Tracker, finish_run, log_step
-from simple_grpo.task.problems import load_data, make_prompt, stop_token_ids
-from simple_grpo.task.rewards import parse_reward_spec, pick_accuracy_reward
-from simple_grpo.trainer.config import TrainerConfig, check_options
-from simple_grpo.trainer.deepspeed_engine import leave_process_group, make_engine
-from simple_grpo.trainer.memory_plan import show_plan
-from simple_grpo.trainer.update import loss_options, optimizer_step, step_stats
+
+
+def flag(default, help):
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
-class Config(TrainerConfig):
-    """grpo_train.py's flags: the trainers' shared ones (simple_grpo/trainer/config.py), and these."""
-    SECTIONS = {**TrainerConfig.SECTIONS, "run_name": "this script"}
-    run_name: str = flag("demo", "outputs go to runs/RUN_NAME/ ($SIMPLE_GRPO_RUNS/RUN_NAME/ where that is set)")
-    threads: int = flag(2, "CPU threads for torch")
+class Config:
+    model: str = flag("models/tiny-math", "the policy's starting point: an HF model directory or hub name")
+    dataset: str = flag("data/toy_math/train.jsonl", "problems: .jsonl, or a hub dataset (openai/gsm8k)")
+    dataset_config: str = flag("", "a hub dataset's config (main for openai/gsm8k)")
+    steps: int = flag(200, "training steps: a batch of groups and one optimizer step each")
+    batch_prompts: int = flag(8, "problems sampled per step: Q")
+    num_generations: int = flag(8, "completions per problem: the group size G")
+    max_new_tokens: int = flag(48, "the longest completion, in tokens")
+    min_new_tokens: int = flag(0, "no stop token before this many tokens (benchmarks at a fixed length)")
+    temperature: float = flag(0.7, "sampling temperature; the log-probs are taken at it too")
+    advantage_eps: float = flag(1e-4, "added to a group's reward std: equal rewards give 0, not 0/0")
+    beta: float = flag(0.04, "weight of the KL penalty to the reference model; 0: no ref server")
+    epsilon: float = flag(0.2, "PPO clip range: the ratio is clipped to [1 - epsilon, 1 + epsilon]")
+    lr: float = flag(0.0, "AdamW's learning rate; 0: 1e-4 for the tiny default model, 1e-6 for others")
+    max_grad_norm: float = flag(1.0, "the gradients' global 2-norm is clipped to this before each step")
+    ref_url: str = flag("http://127.0.0.1:59875", "the reference server (python ref_server.py)")
+    ref_token: str = flag("", "the ref server's shared token, if it has one (default: $SIMPLE_GRPO_TOKEN)")
+    dtype: str = flag("float32", "float32, or bfloat16 (GPUs)")
+    zero_stage: int = flag(0, "DeepSpeed's ZeRO stage: 0, 1 or 2 (3: the full trainer)")
+    gradient_checkpointing: bool = flag(False, "recompute activations in backward: less memory, more compute")
+    run_name: str = flag("demo", "outputs go to runs/RUN_NAME/ (or $SIMPLE_GRPO_RUNS/RUN_NAME/)")
+    overwrite: bool = flag(False, "replace runs/RUN_NAME/ if an earlier run used it (it is deleted)")
+    save_every: int = flag(100, "steps between checkpoints (HF format; one at the end too)")
+    log_completions_every: int = flag(10, "every N steps, one group's completions to completions.jsonl")
+    seed: int = flag(0, "seed of the problem draws, the sampling and the trainer")
+    threads: int = flag(2, "the trainer's CPU threads")
+    ref_timeout: float = flag(120.0, "seconds to wait for room in the ref server's queue, or a group back")
+    peer_timeout: float = flag(30.0, "seconds the ref server may not answer before the run stops")
+    local_rank: int = flag(-1, "set by the deepspeed launcher")
 
 
-def check_one_process(cfg):
-    """Stop, naming the trainer that has it, on what this one leaves to grpo_vllm_one.py."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    for asked, what in ((world > 1, f"{world} ranks"), (cfg.micro_batch_groups, "--micro_batch_groups"),
-                        (cfg.loss_impl != "torch", f"--loss_impl {cfg.loss_impl}")):
-        if asked:
-            raise SystemExit(f"{what}: grpo_train.py keeps one step simple (one process, one forward per update); "
-                             "python -m simple_grpo.train has it, with the same flags")
+def deepspeed_config(cfg):
+    """One engine.step(): clip the gradients' norm to --max_grad_norm, one AdamW step (torch's), zero them."""
+    adamw = {"lr": cfg.lr, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.0, "torch_adam": True}
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+            "gradient_clipping": cfg.max_grad_norm, "bf16": {"enabled": cfg.dtype == "bfloat16"},
+            "zero_optimization": {"stage": cfg.zero_stage}, "zero_force_ds_cpu_optimizer": False,
+            "optimizer": {"type": "AdamW", "params": adamw}}
 
 
-def main(cfg: Config):
-    check_one_process(cfg)
-    check_options(cfg)  # refuses bad values; fills in (and prints) the defaults that depend on other flags
-    reward_weights = parse_reward_spec(cfg.reward_funcs, cfg.reward_weights)  # {"correctness": 1.0, "format": 0.5}
-    problems = load_data(cfg)
-    show_plan(cfg)  # --plan prints it and stops here, before the run directory is looked at
-    check_run_dir(cfg)  # a used runs/RUN_NAME/ needs --resume or --overwrite
-    if uses_ref_server(cfg):
-        check_reference(cfg)  # fail fast if the server is absent, or serves another model than ours
-    if cfg.preflight:
-        from simple_grpo.run.preflight import preflight
-        preflight(cfg)
-    engine, tokenizer = make_engine(cfg)  # the policy, wrapped by DeepSpeed with its AdamW
-    torch.manual_seed(cfg.seed)  # the sampling (a resume restores this state)
-    rng = random.Random(cfg.seed)  # draws the problems: its state is the data position
-    run_dir, metrics_path, first_step, state = open_run(cfg, engine)
-    if state is not None:
-        rng.setstate(state["data_rng"])
-    run_id, Q, G = uuid.uuid4().hex, cfg.batch_prompts, cfg.num_generations  # run_id: our groups in the server
-    stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)  # EOS, and the chat template's turn end
-    doctor = RunDoctor(cfg, metrics_path)  # plain-language warnings (run/doctor.py)
-    tracker = Tracker(cfg, run_dir) if cfg.report_to != "none" else None  # --report_to tensorboard/wandb
+# ----------------------------------------------------------------------- the task: problems, prompt, reward
+SYSTEM_PROMPT = ("A conversation between User and Assistant. The user asks a question, and the Assistant"
+                 " solves it. The Assistant first thinks about the reasoning process in the mind and then"
+                 " provides the user with the answer. The reasoning process and answer are enclosed within"
+                 " <think> </think> and <answer> </answer> tags, respectively, i.e., <think> reasoning"
+                 " process here </think><answer> answer here </answer>.")
 
-    def waiting(group, waited_s):
-        bar.set_description_str(f"waiting for the ref server's log-probs: group {group + 1} ({waited_s:.0f} s, "
-                                f"gives up after {cfg.ref_timeout:.0f} s)")
 
-    bar = tqdm(range(first_step, cfg.steps + 1), desc="grpo", initial=first_step - 1, total=cfg.steps)
-    for step in bar:
+def load_problems(cfg):
+    """[{"question", "answer"}] in GSM8K's format (the answer ends "#### N"): a .jsonl file, or the hub's."""
+    try:
+        if cfg.dataset.endswith(".jsonl"):
+            with open(cfg.dataset, encoding="utf-8") as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+        else:
+            import datasets
+            rows = list(datasets.load_dataset(cfg.dataset, cfg.dataset_config or None, split="train"))
+        problems = [{"question": row["question"], "answer": row["answer"]} for row in rows]
+    except (OSError, ValueError, KeyError, TypeError) as e:  # no such file, not JSON, no such field
+        raise SystemExit(f"--dataset {cfg.dataset}: {type(e).__name__} {str(e)[:200]}") from None
+    if bad := [i for i, p in enumerate(problems, 1) if "####" not in str(p["answer"])]:
+        raise SystemExit(f"--dataset {cfg.dataset}: row {bad[0]}'s answer has no '#### N' line (GSM8K's)")
+    return problems
+
+
+def make_prompt(tokenizer, question):
+    """The model's chat template with the system prompt, the assistant's turn opened."""
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def stop_token_ids(tokenizer, model):
+    """The one stop set, generate's and the masks': EOS, the chat template's turn end, the generation
+    config's."""
+    from transformers import AutoConfig
+    try:
+        eos = GenerationConfig.from_pretrained(model).eos_token_id
+    except OSError:  # no generation_config.json: config.json's
+        eos = AutoConfig.from_pretrained(model).eos_token_id
+    marker = "\u2063answer\u2063"  # what follows an assistant's turn begins with the turn's end token
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}]
+    turn = tokenizer.apply_chat_template(messages, tokenize=False)
+    after = tokenizer(turn.split(marker, 1)[1], add_special_tokens=False)["input_ids"]
+    turn_end = after[0] if after and after[0] in tokenizer.all_special_ids else None
+    ids = [tokenizer.eos_token_id, turn_end, *([eos] if isinstance(eos, int) else eos or [])]
+    return list(dict.fromkeys(i for i in ids if i is not None))  # in order, once each
+
+
+def score(completion, answer):
+    """correctness: 1 when the last <answer>...</answer> equals the number after '####' (math-verify);
+    format: 1 for <think>...</think><answer>...</answer>, each tag once; reward: correctness + 0.5 format."""
+    from math_verify import parse, verify
+    found, gold = re.findall(r"<answer>(.*?)</answer>", completion, re.DOTALL), answer.split("####")[-1]
+    predicted, gold, correct = (found[-1].strip() if found else ""), gold.strip().replace(",", ""), 0.0
+    if predicted:
+        gold, predicted = parse(gold, parsing_timeout=5), parse(predicted, parsing_timeout=5)
+        correct = float(bool(gold) and bool(predicted) and verify(gold, predicted, timeout_seconds=5))
+    tags_once = all(completion.count(tag) == 1 for tag in ("<think>", "</think>", "<answer>", "</answer>"))
+    shaped = re.match(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", completion, re.DOTALL) is not None
+    form = float(tags_once and shaped)
+    return {"correctness": correct, "format": form, "reward": 1.0 * correct + 0.5 * form}
+
+
+# ---------------------------------------------------------------------------- the ref server's client
+def ref_request(cfg, method, path, **kw):
+    """One HTTP call to the ref server, tried again while it does not answer, for --peer_timeout seconds."""
+    token = cfg.ref_token or os.environ.get("SIMPLE_GRPO_TOKEN", "")
+    headers, first_failure = ({"Authorization": f"Bearer {token}"} if token else {}), time.time()
+    while True:
+        try:
+            r = requests.request(method, cfg.ref_url + path, headers=headers, timeout=cfg.peer_timeout, **kw)
+            if r.status_code not in (200, 204, 503):  # 204: nothing finished yet; 503: its queue is full
+                raise SystemExit(f"ref server at {cfg.ref_url}{path}: HTTP {r.status_code} {r.text[:200]}")
+            return r
+        except requests.RequestException as e:
+            if time.time() - first_failure > cfg.peer_timeout:
+                raise SystemExit(f"ref server at {cfg.ref_url} has not answered for {cfg.peer_timeout:.0f} s "
+                                 f"({type(e).__name__}): is `python ref_server.py` running?") from None
+            time.sleep(1.0)
+
+
+def post_group(cfg, tensors, meta):
+    """A group to the ref server: safetensors bytes, the meta JSON in their header (nothing is unpickled)."""
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    body = save_message(tensors, {"json": json.dumps({"version": 2, **meta})})  # version 2 of the format
+    deadline = time.time() + cfg.ref_timeout
+    while ref_request(cfg, "POST", "/upload", data=body).status_code == 503:
+        if time.time() > deadline:
+            raise SystemExit(f"ref server at {cfg.ref_url} stayed full for {cfg.ref_timeout:.0f} s")
+        time.sleep(0.1)
+
+
+def take_group(cfg, run_id, deadline_s):
+    """This run's oldest finished group from the ref server, (tensors, meta), with ref_logps (G, C) added.
+    Stops the run if none comes in deadline_s seconds."""
+    start = time.time()
+    while (r := ref_request(cfg, "GET", "/get", params={"run_id": run_id, "wait": 2})).status_code != 200:
+        if time.time() - start > deadline_s:
+            raise SystemExit(f"no group came back from the ref server in {deadline_s:.0f} s: see its log")
+    header = json.loads(r.content[8:8 + int.from_bytes(r.content[:8], "little")])
+    return load_message(r.content), json.loads(header["__metadata__"]["json"])
+
+
+# ---------------------------------------------------------------------------- sampling and the update
+def generate(model, tokenizer, prompts, cfg, stop_ids):
+    """G completions per prompt from softmax(logits / T), each to its first stop token: generate's other
+    settings come from a blank GenerationConfig, not the model's (no top-k, top-p or penalty). Returns
+    prompt_ids and prompt_mask (Q, P), left-padded, and completion_ids (B, C), right-padded."""
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left",
+                    add_special_tokens=False).to(model.device)
+    ids, mask, G = enc["input_ids"], enc["attention_mask"], cfg.num_generations
+    model.eval()  # sampling draws from the policy as it is: no dropout
+    own_config, model.generation_config = model.generation_config, GenerationConfig()
+    with torch.no_grad():
+        # each prompt runs once (all but its last token, which generate feeds itself), and generate gets G
+        # copies of its keys and values, one per completion
+        positions = (mask[:, :-1].cumsum(1) - 1).clamp(min=0)  # count real tokens only, as generation does
+        cache = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions,
+                      use_cache=True, logits_to_keep=1).past_key_values
+        cache.batch_repeat_interleave(G)
+        out = model.generate(input_ids=ids.repeat_interleave(G, 0), past_key_values=cache,
+                             attention_mask=mask.repeat_interleave(G, 0), do_sample=True, top_k=0, top_p=1.0,
+                             temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                             min_new_tokens=cfg.min_new_tokens, eos_token_id=stop_ids,
+                             pad_token_id=tokenizer.pad_token_id)
+    model.generation_config = own_config
+    model.train()
+    return ids, mask, out[:, ids.size(1):]  # (Q, P), (Q, P), (B, C)
+
+
+def grpo_step(engine, batch, loss_mask, cfg):
+    """The policy's log-probs, the loss, one optimizer step. pi_old is the policy's own log-probs,
+    detached (it sampled them: the ratio is 1, only its gradient counts). Returns the figures, the log-probs
+    (B, C)."""
+    logps, entropy = completion_logps(engine, batch["prompt_ids"], batch["prompt_mask"],
+                                      batch["completion_ids"], cfg.temperature)  # (B, C) each
+    # grpo_loss's default denominator: each sequence's token mean, then the mean over the batch's sequences
+    loss, stats = grpo_loss(logps, logps.detach(), batch.get("ref_logps"), batch["advantages"], loss_mask,
+                            beta=cfg.beta, epsilon=cfg.epsilon)
+    engine.backward(loss)
+    grads = [p.grad.norm() for p in engine.module.parameters() if p.grad is not None]  # ZeRO 0: whole here
+    grad_norm = torch.stack(grads).norm().item() if grads else None
+    engine.step()  # clip the gradients, one AdamW step, zero them
+    grad_norm = grad_norm if grad_norm is not None else float(engine.get_global_grad_norm())  # ZeRO 1-2
+    tokens = loss_mask.sum().clamp(min=1).item()
+    return {"loss": loss.item(), **stats, "entropy": (entropy * loss_mask).sum().item() / tokens,
+            "grad_norm": grad_norm}, logps.detach()
+
+
+def parse_flags(args=None):
+    parser = HfArgumentParser(Config, description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    cfg, unknown = parser.parse_args_into_dataclasses(args=args, return_remaining_strings=True)
+    if unknown:
+        given = " ".join(sys.argv[1:] if args is None else args)
+        raise SystemExit(f"grpo_train.py has no {' '.join(unknown)}: every feature beyond its step is the"
+                         f" full trainer's: python -m simple_grpo.train {given}")
+    for name, allowed in {"zero_stage": (0, 1, 2), "dtype": ("float32", "bfloat16")}.items():
+        if getattr(cfg, name) not in allowed:
+            raise SystemExit(f"--{name} {getattr(cfg, name)}: grpo_train.py takes {allowed} (the full"
+                             " trainer: more)")
+    tiny = os.path.realpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "tiny-math"))
+    cfg.lr = cfg.lr or (1e-4 if os.path.realpath(cfg.model) == tiny else 1e-6)
+    return cfg
+
+
+def main(cfg):
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "0"}.items():  # plain `python grpo_train.py`: a job of one process
+        os.environ.setdefault(key, value)
+    if (world := int(os.environ["WORLD_SIZE"])) > 1:
+        raise SystemExit(f"{world} ranks: grpo_train.py runs one process; several are the full trainer's:"
+                         f" deepspeed --num_gpus {world} --module simple_grpo.train (or python -m"
+                         " simple_grpo.train)")
+    run_dir = os.path.join(os.environ.get("SIMPLE_GRPO_RUNS", "runs"), cfg.run_name)
+    if os.path.isdir(run_dir) and os.listdir(run_dir) and not cfg.overwrite:
+        raise SystemExit(f"{run_dir}/ holds an earlier run: --overwrite replaces it, or choose another"
+                         " --run_name (to continue it, --resume, is the full trainer's)")
+    problems = load_problems(cfg)  # a bad data file stops here, before anything starts; and a ref server
+    ref_dtype = ref_request(cfg, "GET", "/health").json()["dtype"] if cfg.beta != 0 else None  # not up
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(cfg.threads)
+    random.seed(cfg.seed), torch.manual_seed(cfg.seed)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, cfg.dtype))
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=deepspeed_config(cfg))
+    engine.train()
+    torch.manual_seed(cfg.seed)  # the sampling's draws
+    rng, run_id, G = random.Random(cfg.seed), uuid.uuid4().hex, cfg.num_generations  # rng: the problem draws
+    stop_ids, pad_id = stop_token_ids(tokenizer, cfg.model), tokenizer.pad_token_id
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump(asdict(cfg), f, indent=1)
+    for step in (bar := tqdm(range(1, cfg.steps + 1), desc="grpo_train")):
+        # GRPO 1. sample G completions per problem with the policy itself; each ends at its first stop token
         t0 = time.time()
-        # GRPO 1. sample G completions per problem with the current policy (transformers generate)
-        batch_problems = rng.sample(problems, Q)
-        prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format, cfg.system_prompt) for p in batch_problems]
-        # prompt_ids, prompt_mask (Q, P) left-padded; completion_ids (Q*G, C) right-padded, group after group
+        problems_now = rng.sample(problems, cfg.batch_prompts)
+        prompts = [make_prompt(tokenizer, p["question"]) for p in problems_now]
         prompt_ids, prompt_mask, completion_ids = generate(engine.module, tokenizer, prompts, cfg, stop_ids)
-        until_stop = completion_mask(completion_ids, stop_ids)  # (Q*G, C): 1 up to and including the first stop token
-        texts = tokenizer.batch_decode(completion_ids.masked_fill(until_stop == 0, tokenizer.pad_token_id),
-                                       skip_special_tokens=True)  # each completion's text, up to its stop token
-        gen_s = time.time() - t0
+        until_stop = completion_mask(completion_ids, stop_ids)  # (B, C) 1 up to and with the stop token
+        texts = tokenizer.batch_decode(completion_ids.masked_fill(until_stop == 0, pad_id),
+                                       skip_special_tokens=True)
+        gen_s, lengths = time.time() - t0, until_stop.sum(1)  # lengths (B,)
 
-        # GRPO 2. score them; group-relative advantages; keep the groups with a non-zero advantage
-        rewards, scores = score_groups(texts, batch_problems, G, reward_weights)  # (Q*G,), a breakdown each
-        advantages = group_advantages(rewards, G, scale_rewards=cfg.scale_rewards, eps=cfg.advantage_eps,
-                                      estimator=cfg.advantage_estimator,
-                                      correct=correct_rows(scores, reward_weights)).float()  # raft: the correct ones
-        has_signal = groups_with_signal(advantages, G)  # (Q,): GRPO: the rewards differ
-        truncated = is_truncated(completion_ids, stop_ids)  # (Q*G,): cut off at --max_new_tokens
-        # the batch's log figures; their accuracy is the correctness reward trained on
-        rollout_figures = rollout_stats(rewards, scores, until_stop, has_signal, gen_s, truncated,
-                                        pick_accuracy_reward(reward_weights))
-        kept_groups = has_signal.to(until_stop.device)  # (Q,)
-        kept_rows = has_signal.repeat_interleave(G).to(until_stop.device)  # (Q*G,): the G rows of each kept group
-        prompt_ids, prompt_mask = prompt_ids[kept_groups], prompt_mask[kept_groups]  # (q, P) each: q groups kept
-        completion_ids, until_stop = completion_ids[kept_rows], until_stop[kept_rows]  # (q*G, C) each
-        advantages = advantages.to(until_stop.device)[kept_rows]  # (q*G,)
-        update_stats = {"loss": None, "kl": None, "clip_fraction": None, "ratio_mean": None,
-                        "grad_norm": None}  # no group kept: no update, nothing of it measured (null in the log)
-        t1 = t2 = time.time()
-        if has_signal.any():
-            # GRPO 3. the reference model's log-probs of the same tokens, for the KL term: what
-            # grpo_math.completion_logps computes under the frozen model in evaluation mode, by the server's own
-            # function and in its --dtype (bf16 on a GPU by default: tests/test_ref_server.py compares them)
-            ref_logps = None  # beta 0: no KL term
-            if uses_ref_server(cfg):  # one upload per kept group, then each group's answer, polled until ready
-                meta = {"run_id": run_id, "policy_version": step, "temperature": cfg.temperature}
-                ref_logps = reference_logps_from_server(cfg, run_id, prompt_ids, prompt_mask, completion_ids,
-                                                        until_stop, meta, waiting)  # (q*G, C)
-                bar.set_description_str("grpo")
-            elif cfg.beta != 0:  # --use_peft: the reference is our own base model, its adapters off
-                engine.eval()  # the reference as the ref server computes it: evaluation mode, no dropout
-                with engine.module.disable_adapter(), torch.no_grad():
-                    ref_logps, _ = completion_logps(engine, prompt_ids, prompt_mask, completion_ids, cfg.temperature)
-            ref_logps = None if ref_logps is None else ref_logps.to(until_stop.device)
-            t2 = time.time()
+        # GRPO 2. score them; each one's advantage within its group; drop the groups whose rewards all agree
+        scores = [score(text, problems_now[i // G]["answer"]) for i, text in enumerate(texts)]
+        rewards = torch.tensor([s["reward"] for s in scores])             # (B,)
+        advantages = group_advantages(rewards, G, eps=cfg.advantage_eps)  # (B,) (r - mean) / (std + eps)
+        has_signal = groups_with_signal(advantages, G)                    # (Q,) some advantage is not 0
+        kept, rows = torch.nonzero(has_signal).flatten().tolist(), has_signal.repeat_interleave(G)  # (B,)
+        record = {"step": step, "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
+                  "accuracy": sum(s["correctness"] for s in scores) / len(scores),
+                  "format_rate": sum(s["format"] for s in scores) / len(scores),
+                  "completion_len": lengths.float().mean().item(),
+                  "truncated_frac": is_truncated(completion_ids, stop_ids).float().mean().item(),
+                  "zero_var_frac": 1 - has_signal.float().mean().item(), "gen_s": gen_s,
+                  "tokens_per_s": lengths.sum().item() / gen_s,  # no update: its figures null
+                  "loss": None, "kl": None, "clip_fraction": None, "ratio_mean": None, "grad_norm": None}
+        batch = {"prompt_ids": prompt_ids[has_signal], "prompt_mask": prompt_mask[has_signal],  # (Q_kept, P)
+                 "completion_ids": completion_ids[rows], "advantages": advantages[rows]}  # (B_kept, C)
+        loss_mask, t1 = until_stop[rows], time.time()  # (B_kept, C)
+        if kept and cfg.beta != 0:
+            # GRPO 3. the reference's log-probs of the kept groups: each to the ref server, and back with them
+            meta = {"run_id": run_id, "policy_version": step - 1, "temperature": cfg.temperature}
+            for q in kept:  # the prompt without its padding, the completions cut after the group's longest
+                group_rows = slice(q * G, (q + 1) * G)
+                group = {"prompt_ids": prompt_ids[q][prompt_mask[q].bool()],
+                         "completion_ids": completion_ids[group_rows, :int(lengths[group_rows].max())]}
+                post_group(cfg, group, meta)
+            batch["ref_logps"] = torch.zeros(loss_mask.shape)  # (B_kept, C), 0 past each group's longest
+            for i in range(len(kept)):  # in the order they were posted
+                ref_logps = take_group(cfg, run_id, cfg.ref_timeout)[0]["ref_logps"]  # (G, C_q)
+                batch["ref_logps"][i * G:(i + 1) * G, :ref_logps.size(1)] = ref_logps
+        t2 = time.time()
+        if kept:
+            # GRPO 4. the loss on the policy's log-probs, one optimizer step (grpo_step, above)
+            stats, logps = grpo_step(engine, batch, loss_mask, cfg)
+            record.update(stats)
+            if engine.global_steps == 1 and cfg.beta != 0:  # the first update: the policy was the reference
+                gap = ((logps - batch["ref_logps"]).abs() * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+                if gap > (1e-3 if cfg.dtype == ref_dtype == "float32" else 0.05):
+                    raise SystemExit(f"the ref server's log-probs are {gap:.3g} a token from ours: it serves"
+                                     f" another model than {cfg.model} (ref_server.py --model {cfg.model}?)")
 
-            # GRPO 4. the policy's log-probs, the GRPO loss, backward, one optimizer step. engine.step() (in
-            # optimizer_step) does what a plain loop writes out: clip the gradients' global 2-norm to
-            # --max_grad_norm, one AdamW step (--lr, constant; --adam_beta1, --adam_beta2, --adam_epsilon,
-            # --weight_decay), zero the gradients: simple_grpo/trainer/deepspeed_engine.py's flag_config passes
-            # the flags to DeepSpeed (a --deepspeed file may change them; the run says so)
-            engine.train()  # training mode: gradient checkpointing and dropout (if not disabled) act only in it
-            loss_mask = completion_mask(completion_ids, stop_ids, cfg.mask_truncated_completions)  # (q*G, C)
-            skipped = 0  # updates not taken: a NaN or inf in the gradient or the loss
-            for iteration in range(cfg.num_iterations):  # more than 1: PPO's epochs on the same rollouts
-                logps, entropy = completion_logps(engine, prompt_ids, prompt_mask, completion_ids,
-                                                  cfg.temperature)  # (q*G, C) each
-                if iteration == 0:  # this forward's own numbers: ratio 1 now, the clip bounds the next (they
-                    # are the sampler's up to dropout, which generate runs without: --disable_dropout makes them equal)
-                    old_logps = logps.detach()  # (q*G, C)
-                loss, update_stats = grpo_loss(logps, old_logps, ref_logps, advantages, loss_mask, **loss_options(cfg))
-                engine.backward(loss)
-                norm, stepped = optimizer_step(engine, loss.item())  # skipped if anything is NaN or inf
-                skipped += not stepped
-            tokens = loss_mask.sum().clamp(min=1).item()
-            update_stats.update(loss=loss.item(), entropy=(entropy * loss_mask).sum().item() / tokens,  # a token mean
-                                tokens=int(loss_mask.sum()), **step_stats(engine, norm, skipped, cfg.num_iterations))
-
-        # log what we measured, a few completions, and what the run doctor makes of it
-        record = {"step": step, **rollout_figures, **update_stats, "ref_s": t2 - t1, "compute_s": time.time() - t2,
-                  "step_s": time.time() - t0}
-        log_step(metrics_path, record, tracker)
-        if has_signal.any() and cfg.log_completions_every and step % cfg.log_completions_every == 0:
-            batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-                     "advantages": advantages}
-            log_batch_completions(run_dir, step, tokenizer, batch, [s for s, k in zip(scores, kept_rows.tolist()) if k],
-                                  stop_ids, logps.detach())
-        stop_reason = doctor.batch(batch_summary(rewards, scores, texts, has_signal), step) or doctor.step(record)
+        record.update(ref_s=t2 - t1, compute_s=time.time() - t2, step_s=time.time() - t0)
+        with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({k: float(f"{v:.6g}") if isinstance(v, float) else v
+                                for k, v in record.items()}) + "\n")
+        if kept and cfg.log_completions_every and step % cfg.log_completions_every == 0:  # 1st kept group
+            prompt = tokenizer.decode(prompt_ids[kept[0]][prompt_mask[kept[0]].bool()])
+            with open(os.path.join(run_dir, "completions.jsonl"), "a") as f:
+                for i in range(kept[0] * G, (kept[0] + 1) * G):
+                    completion = tokenizer.decode(completion_ids[i, :int(lengths[i])],
+                                                  skip_special_tokens=True)
+                    f.write(json.dumps({"step": step, "prompt": prompt, "completion": completion,
+                                        "reward": rewards[i].item(), "advantage": advantages[i].item()})
+                            + "\n")
         bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['accuracy']:.2f}",
-                        fmt=f"{record['format_rate']:.2f}", kl="-" if record["kl"] is None else f"{record['kl']:.3f}")
-        if step % cfg.save_every == 0 or step == cfg.steps or stop_reason:
-            save_checkpoint(engine, tokenizer, run_dir, step, {"data_rng": rng.getstate()})
-        if stop_reason:
-            finish_run(run_dir, step, 0, tracker)
-            raise SystemExit(stop_reason)
-
-    finish_run(run_dir, cfg.steps, 0, tracker)
+                        kl="-" if record["kl"] is None else f"{record['kl']:.3f}")
+        if step % cfg.save_every == 0 or step == cfg.steps:  # ZeRO 0-2: the weights are whole here
+            engine.module.save_pretrained(os.path.join(run_dir, f"step_{step}"))
+            tokenizer.save_pretrained(os.path.join(run_dir, f"step_{step}"))
+    print(f"done: {run_dir}/step_{cfg.steps}; its page: python tools/view_run.py {run_dir}")
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(parse_flags(Config, __doc__))
-    leave_process_group()  # the process ends (here, not in main(): main() stays callable again in one process)
+    main(parse_flags())

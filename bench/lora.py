@@ -3,13 +3,13 @@
     python bench/lora.py                                                  # the tiny default model
     python bench/lora.py --model .cache/models/SmolLM2-135M-Instruct --steps 8 -- --max_new_tokens 64
 
-grpo_train.py runs --steps steps twice with the same seed, data, beta and lr: the full model (its
-reference in a ref server, as usual), then --use_peft (the reference is the base with the adapters off,
-in the trainer). Flags after -- go to both runs (--lora_target_modules all-linear, say). Prints one JSON
+The full trainer (python -m simple_grpo.train; LoRA is its) runs --steps steps twice with the same seed, data,
+beta and lr: the full model (its reference in a ref server, as usual), then --use_peft (the reference is the
+base with the adapters off, in the trainer). Flags after -- go to both runs (--lora_target_modules all-linear, say). Prints one JSON
 line per run; the first --skip steps are left out of the medians:
   compute_s_median  the update: log-probs, loss, backward, optimizer step
   ref_s_median      the reference log-probs: the ref server's round trip, or LoRA's adapters-off forward
-  step_s_median     the whole step, sampling (transformers generate) included
+  step_s_median     the whole step, the wait for vLLM's batch included
   peak_rss_mb       the trainer's peak resident memory; peak_rss_with_ref_mb adds the ref server's
 """
 import argparse
@@ -28,7 +28,7 @@ from simple_grpo.run.checkpoints import runs_root  # noqa: E402
 
 def run(model, lora, args, env):
     name = f"bench_lora_{'on' if lora else 'off'}"
-    flags = ["grpo_train.py", "--model", model, "--steps", str(args.steps), "--save_every", str(args.steps),
+    flags = ["-m", "simple_grpo.train", "--model", model, "--steps", str(args.steps), "--save_every", str(args.steps),
              "--seed", str(args.seed), "--lr", str(args.lr), "--run_name", name, "--overwrite", *args.extra]
     server = None
     if lora:
@@ -41,7 +41,8 @@ def run(model, lora, args, env):
         proc = subprocess.Popen([sys.executable, *flags], cwd=ROOT, env=env)
         peak, peak_with_ref = wait_peak_rss(proc, also=server)
         if proc.returncode != 0:
-            raise SystemExit(f"grpo_train.py {'--use_peft ' if lora else ''}failed with exit code {proc.returncode}")
+            raise SystemExit(f"python -m simple_grpo.train {'--use_peft ' if lora else ''}failed with exit code "
+                             f"{proc.returncode}")
     finally:
         if server is not None:
             server.terminate()

@@ -11,9 +11,10 @@ import time
 import pytest
 import torch
 
+from simple_grpo.run.checkpoints import runs_root
 from simple_grpo.run.doctor import RULES, RunDoctor, batch_summary, parse_stop_on
 from simple_grpo.trainer.config import check_options
-from grpo_train import Config
+from simple_grpo.train import Config
 from tests.test_ref_server import server  # noqa: F401 - the live server fixture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -200,6 +201,12 @@ def test_vllms_info_and_warning_lines_stay_out_of_a_trainers_output(no_signal_st
     out, _ = no_signal_stop
     assert "vLLM ready after " in out.stdout
     assert not re.search(r"\b(INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d \[", out.stdout), out.stdout[-3000:]
+
+
+def test_config_json_holds_the_flags_as_resolved(no_signal_stop):
+    """--lr, --epsilon_high and --scale_rewards left unset: runs/NAME/config.json holds the values the run used."""
+    config = json.load(open(os.path.join(runs_root(), "test_no_signal_stop", "config.json")))
+    assert (config["lr"], config["epsilon_high"], config["scale_rewards"]) == (1e-4, 0.2, "group")
 
 
 @pytest.mark.slow  # ~45 s; the fast suite keeps the doctor's stop on the same run (above)

@@ -1,5 +1,5 @@
-"""Faults a long run meets, with the real trainer, DeepSpeed and ref server: a dead ref server,
-kills during and between checkpoint saves (then --resume), and non-finite updates."""
+"""Faults a long run meets, with the real trainers, DeepSpeed and ref server: a dead ref server (grpo_train.py),
+kills during and between checkpoint saves, then --resume, and non-finite updates (the full trainer's)."""
 import json
 import os
 import shutil
@@ -16,6 +16,7 @@ from tests.test_ref_server import server  # noqa: F401 - the live server fixture
 from tools.launch import ROOT, free_port, start_ref_server
 
 TRAIN = [sys.executable, "grpo_train.py", "--batch_prompts", "4", "--save_every", "2"]
+FULL = [sys.executable, "-m", "simple_grpo.train", "--batch_prompts", "4", "--save_every", "2"]  # --resume is its
 
 
 def metrics(run):
@@ -77,15 +78,18 @@ def kill_during_save(proc, run_dir, step):
 
 
 def test_kills_during_and_between_saves_then_resume_continue_the_same_run(server):  # noqa: F811
+    """The full trainer (grpo_train.py has no --resume). Its steps before the checkpoint a resume starts from are
+    the run without faults, figure for figure; the steps after it train from the checkpoint's weights (policy lag
+    0), on new samples: vLLM's sampler starts afresh with the new process, so they are not the same draws."""
     common = ["--ref_url", server, "--steps", "6", "--seed", "3"]
     # the run as it would be without faults
-    out = subprocess.run(TRAIN + common + ["--run_name", "test_resume_ref"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run(FULL + common + ["--run_name", "test_resume_ref"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     reference = metrics("test_resume_ref")
 
     run, run_dir = fresh("test_resume"), os.path.join(runs_root(), "test_resume")
-    start = lambda *extra: subprocess.Popen(TRAIN + common + ["--run_name", run, *extra], cwd=ROOT,  # noqa: E731
+    start = lambda *extra: subprocess.Popen(FULL + common + ["--run_name", run, *extra], cwd=ROOT,  # noqa: E731
                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # 1. killed while it writes step_4 (step_2 is complete by then)
     proc = start()
@@ -100,16 +104,19 @@ def test_kills_during_and_between_saves_then_resume_continue_the_same_run(server
     assert ("resuming after step 2" if caught else "resuming after step 4") in out_2
     assert not os.path.exists(os.path.join(run_dir, "step_4.tmp"))
     # 3. resumed again: from step 4 to the end
-    out = subprocess.run(TRAIN + common + ["--run_name", run, "--resume"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run(FULL + common + ["--run_name", run, "--resume"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resuming after step 4" in out.stdout
 
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    # the resumed curve continues the interrupted one: the same data, rewards and losses as without faults
-    for got, want in zip(rows, reference):
+    # the steps up to the first resume's checkpoint are the run without faults: the same rewards and losses
+    before_resume = 2 if caught else 4
+    for got, want in zip(rows[:before_resume], reference):
         assert got["reward_mean"] == want["reward_mean"] and abs(got["loss"] - want["loss"]) < 1e-5, (got, want)
+    # the step after each resume trains on rollouts of the checkpoint's weights
+    assert rows[before_resume]["policy_lag"] == 0 and rows[4]["policy_lag"] == 0
     assert sorted(os.listdir(run_dir)) == sorted(["config.json", "metrics.jsonl", "curves.png",
                                                   "step_2", "step_4", "step_6"])
     for step in (2, 4, 6):
@@ -120,7 +127,7 @@ def test_kills_during_and_between_saves_then_resume_continue_the_same_run(server
 
 
 def test_resume_without_a_checkpoint_says_so(server, tmp_path):  # noqa: F811
-    out = subprocess.run(TRAIN + ["--ref_url", server, "--run_name", fresh("test_resume_none"), "--resume"], cwd=ROOT,
+    out = subprocess.run(FULL + ["--ref_url", server, "--run_name", fresh("test_resume_none"), "--resume"], cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode != 0 and "no checkpoint to resume from" in out.stderr
 
@@ -128,7 +135,7 @@ def test_resume_without_a_checkpoint_says_so(server, tmp_path):  # noqa: F811
 NONFINITE = r"""
 import json, sys, torch
 from simple_grpo.trainer.deepspeed_engine import make_engine
-from grpo_train import Config
+from simple_grpo.train import Config
 from simple_grpo.trainer.update import grpo_update
 from grpo_math import completion_mask
 results = {}

@@ -6,13 +6,13 @@ Models come from the repository or are built from configs/: a GPU machine with n
 
   1. Triton kernels (triton_loss/) compiled against this torch: tests/triton_kernel_cases.py on CUDA
   2. ref_server.py's defaults on CUDA in bf16, its /health fingerprint, and a trainer's refusal of another model
-  3. grpo_train.py, 4 steps in bf16 under ZeRO-2, with and without LoRA
+  3. grpo_train.py, 4 steps in bf16 under ZeRO-2; the full trainer's LoRA, the same
   4. vLLM's log-probs after an in-memory weight sync equal a transformers forward (fp32 tight, bf16 loose),
      on vLLM's V1 and V2 model runners
   5. the full trainer (simple_grpo/train.py), 10 steps of the tiny model with vLLM on the trainer's GPU (the
      shared-GPU start-up), and on a GPU of its own where there are two
-  6. 5 steps of a random-weight model shaped like Qwen2.5-0.5B, each an update (noise rewards), GPU memory
-     sampled against the memory plan
+  6. 5 steps of the full trainer on a random-weight model shaped like Qwen2.5-0.5B, each an update (noise
+     rewards), GPU memory (vLLM's share on the same GPU included) sampled against the memory plan
   7. evaluate.py's hf backend on the GPU
 Each adds a line to the summary printed at the end (tests/conftest.py).
 """
@@ -71,7 +71,7 @@ def test_triton_kernels_compile_and_match_torch_on_cuda(gpu_summary):
 
 
 def test_the_ref_server_defaults_to_the_gpu_in_bf16_and_its_fingerprint_is_checked(server, models, gpu_summary):  # noqa: F811
-    from grpo_train import Config
+    from simple_grpo.train import Config
     from simple_grpo.protocol import check_reference, model_fingerprint
     health = requests.get(server + "/health", timeout=10).json()
     assert (health["device"], health["dtype"]) == ("cuda", "bfloat16") and isinstance(health["gpu"], int)
@@ -86,14 +86,15 @@ def test_the_ref_server_defaults_to_the_gpu_in_bf16_and_its_fingerprint_is_check
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_grpo_train_takes_4_bf16_zero2_steps(server, lora, gpu_summary):
     name = f"test_gpu_train_{'lora' if lora else 'full'}"
-    args = ["grpo_train.py", "--steps", "4", "--dtype", "bfloat16", "--zero_stage", "2", "--lr", "1e-4",
-            "--batch_prompts", "4", "--run_name", name, "--overwrite", "--save_every", "100"]
-    args += ["--use_peft"] if lora else ["--ref_url", server]
+    # LoRA is the full trainer's
+    args = ["-m", "simple_grpo.train", "--use_peft"] if lora else ["grpo_train.py", "--ref_url", server]
+    args += ["--steps", "4", "--dtype", "bfloat16", "--zero_stage", "2", "--lr", "1e-4", "--batch_prompts", "4",
+             "--run_name", name, "--overwrite", "--save_every", "100"]
     code, out = run(args)
     assert code == 0, out[-3000:]
     rows = steps_of(name)
     assert len(rows) == 4 and all(r["loss"] == r["loss"] for r in rows)  # no NaN
-    gpu_summary(f"grpo_train.py {'LoRA' if lora else 'full'}, bf16 ZeRO-2: 4 steps, median "
+    gpu_summary(f"{'the full trainer, LoRA' if lora else 'grpo_train.py'}, bf16 ZeRO-2: 4 steps, median "
                 f"{statistics.median(r['step_s'] for r in rows):.2f} s/step, kl {rows[-1]['kl']:.4f}")
 
 
@@ -142,7 +143,8 @@ def used_gpu_memory_gb(index=0):
 
 def test_a_qwen2_5_0_5b_shaped_model_takes_5_steps_within_its_memory_plan(tmp_path, gpu_summary):
     """Random weights from configs/qwen2.5-0.5b with the tiny tokenizer (ids past its vocabulary decode to
-    nothing); grpo_train.py, bf16, ZeRO-2, no reference (beta 0: the training GPU's memory alone). Rewards are
+    nothing); the full trainer (--plan and --reward_file are its), bf16, ZeRO-2, vLLM beside it on the one GPU
+    the test lets it see (the plan counts vLLM's share there), no reference (beta 0). Rewards are
     noise (tests/noise_rewards.py): on text that decodes to nothing any other reward ties, the step takes no
     update, and no gradient or Adam state would be allocated to measure."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -155,7 +157,7 @@ def test_a_qwen2_5_0_5b_shaped_model_takes_5_steps_within_its_memory_plan(tmp_pa
     flags = ["--model", str(model_dir), "--dtype", "bfloat16", "--zero_stage", "2", "--beta", "0",
              "--batch_prompts", "2", "--num_generations", "4", "--max_new_tokens", "64",
              "--reward_file", "tests/noise_rewards.py", "--reward_funcs", "noise", "--reward_weights", "1.0"]
-    planned = run_script(["grpo_train.py", "--plan", *flags], env=ENV)
+    planned = run_script(["-m", "simple_grpo.train", "--plan", *flags], env=dict(ENV, CUDA_VISIBLE_DEVICES="0"))
     assert planned.returncode == 0, planned.stdout[-1000:] + planned.stderr[-2000:]
     plan = json_result(planned.stdout)
     idle = used_gpu_memory_gb()
@@ -168,8 +170,8 @@ def test_a_qwen2_5_0_5b_shaped_model_takes_5_steps_within_its_memory_plan(tmp_pa
     sampler = threading.Thread(target=sample_memory, daemon=True)
     sampler.start()
     try:
-        code, out = run(["grpo_train.py", *flags, "--steps", "5", "--run_name", "test_gpu_qwen05", "--overwrite",
-                         "--save_every", "100"], env=dict(ENV, CUDA_VISIBLE_DEVICES="0"))
+        code, out = run(["-m", "simple_grpo.train", *flags, "--steps", "5", "--run_name", "test_gpu_qwen05",
+                         "--overwrite", "--save_every", "100"], env=dict(ENV, CUDA_VISIBLE_DEVICES="0"))
     finally:
         done.set()
         sampler.join()

@@ -74,12 +74,13 @@ def test_the_noise_reward_differs_within_every_group_of_empty_completions(noise_
 
 
 def test_with_the_noise_reward_every_step_updates_the_weights():
-    """grpo_train.py, 2 steps of the tiny model on the CPU: every group kept, every gradient non-zero and finite."""
+    """The full trainer (--reward_file is its), 2 steps of the tiny model on the CPU: every group kept, every
+    gradient non-zero and finite."""
     name = "test_noise_reward_updates"
-    done = run_script(["grpo_train.py", "--beta", "0", "--steps", "2", "--batch_prompts", "2", "--num_generations", "4",
-                       "--max_new_tokens", "32", "--reward_file", "tests/noise_rewards.py", "--reward_funcs", "noise",
-                       "--reward_weights", "1.0", "--run_name", name, "--overwrite", "--save_every", "100"],
-                      timeout=300)
+    done = run_script(["-m", "simple_grpo.train", "--beta", "0", "--steps", "2", "--batch_prompts", "2",
+                       "--num_generations", "4", "--max_new_tokens", "32", "--reward_file", "tests/noise_rewards.py",
+                       "--reward_funcs", "noise", "--reward_weights", "1.0", "--run_name", name, "--overwrite",
+                       "--save_every", "100"], timeout=600)
     check_clean_exit(done)
     rows = [json.loads(line) for line in open(os.path.join(runs_root(), name, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2]

@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from bench.gpu_scale import hardware_flops
 from grpo_math import completion_mask
-from grpo_train import Config
+from simple_grpo.train import Config
 from simple_grpo.run.checkpoints import runs_root
 from simple_grpo.run.phase_timer import PHASES, UpdatePhases, busy_seconds, timed_update
 from simple_grpo.trainer.config import check_options

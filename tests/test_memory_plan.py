@@ -350,8 +350,8 @@ def test_the_trainers_plan_flag_prints_the_plan_and_its_json_line_before_loading
     assert "memory plan: Qwen2ForCausalLM, 7.62B parameters" in out.stdout
     assert json.loads(out.stdout.strip().splitlines()[-1])["fits"] is True
     fp32 = ["--model", QWEN["7b"], "--zero_stage", "2", "--plan_gpu_gb", "80", "--max_new_tokens", "700",
-            "--ref_url", "http://127.0.0.1:9"]
-    out = subprocess.run([sys.executable, "grpo_train.py", "--plan", *fp32], cwd=ROOT, capture_output=True,
+            "--max_model_len", "1024", "--ref_url", "http://127.0.0.1:9"]
+    out = subprocess.run([sys.executable, "-m", "simple_grpo.train", "--plan", *fp32], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0 and json.loads(out.stdout.strip().splitlines()[-1])["fits"] is False
 

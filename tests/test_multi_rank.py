@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 sys.path.insert(0, os.getcwd())
 from simple_grpo.trainer.deepspeed_engine import make_engine
-from grpo_train import Config
+from simple_grpo.train import Config
 from simple_grpo.trainer.config import check_options
 from simple_grpo.trainer.update import grpo_update
 from simple_grpo.logprobs import sequence_logps

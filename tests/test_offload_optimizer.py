@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def two_steps(**options):
     """The engine's weights after two steps on one fixed sentence, the threads its optimizer step ran on, and
     the threads torch has outside the step."""
-    from grpo_train import Config
+    from simple_grpo.train import Config
     from simple_grpo.trainer.config import check_options
     from simple_grpo.trainer.deepspeed_engine import make_engine
     cfg = Config(**{"zero_stage": 2, "beta": 0.0, "threads": 1, "lr": 1e-3, **options})

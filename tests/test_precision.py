@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from simple_grpo.trainer.deepspeed_engine import deepspeed_config
 from grpo_math import capped_is_weight, grpo_loss
 from simple_grpo.logprobs import sequence_logps
-from grpo_train import Config
+from simple_grpo.train import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "models", "tiny-math")

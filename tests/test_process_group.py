@@ -38,7 +38,7 @@ SECOND_ENGINE = """
 import sys, torch
 sys.path.insert(0, "tests")
 from conftest import forget_destroyed_world_group
-from grpo_train import Config
+from simple_grpo.train import Config
 from simple_grpo.trainer.config import check_options
 from simple_grpo.trainer.deepspeed_engine import make_engine
 cfg = Config(beta=0.0, threads=1)

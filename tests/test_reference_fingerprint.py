@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo_train import Config
+from simple_grpo.train import Config
 from simple_grpo.devices import auto_device, auto_dtype
 from simple_grpo.protocol import check_reference, differences, model_fingerprint
 from simple_grpo.run.checkpoints import runs_root
@@ -92,8 +92,9 @@ def test_the_server_says_what_it_serves_where_and_in_what_dtype(perturbed_server
 
 
 def test_a_trainer_refuses_a_server_with_another_model_naming_both(perturbed_server, models):
+    """The full trainer, before it starts its generation worker."""
     url, _ = perturbed_server
-    out = subprocess.run([sys.executable, "grpo_train.py", "--ref_url", url, "--steps", "1", "--run_name",
+    out = subprocess.run([sys.executable, "-m", "simple_grpo.train", "--ref_url", url, "--steps", "1", "--run_name",
                           "test_fingerprint_refused", "--overwrite"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode != 0
@@ -101,7 +102,22 @@ def test_a_trainer_refuses_a_server_with_another_model_naming_both(perturbed_ser
     assert f"serves {models['perturbed']}" in message and "starts from models/tiny-math" in message, message
     assert "1 of the 50 tensors compared differ (model.layers.0.self_attn.q_proj.weight)" in message
     assert "--ref_model_differs_ok" in message
+    assert "vLLM" not in out.stdout + out.stderr  # no worker was started
     assert not os.path.exists(os.path.join(runs_root(), "test_fingerprint_refused", "metrics.jsonl"))
+
+
+def test_grpo_train_refuses_a_server_with_another_model_at_its_first_update(perturbed_server, models):
+    """grpo_train.py (as grpo_vllm_one.py) checks the server by what it serves: at the first update the policy is
+    still the reference, so the server's log-probs must be its own."""
+    url, _ = perturbed_server
+    out = subprocess.run([sys.executable, "grpo_train.py", "--ref_url", url, "--steps", "1", "--batch_prompts", "4",
+                          "--run_name", "test_first_update_refused", "--overwrite"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode != 0
+    message = out.stderr.strip().splitlines()[-1]
+    assert "the ref server's log-probs are" in message and "a token from ours" in message, message
+    assert "another model than models/tiny-math (ref_server.py --model models/tiny-math?)" in message
+    assert not os.path.exists(os.path.join(runs_root(), "test_first_update_refused", "metrics.jsonl"))
 
 
 def test_ref_model_differs_ok_goes_on_and_says_so(perturbed_server, capsys):

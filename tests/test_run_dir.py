@@ -75,26 +75,46 @@ def steps_logged(run_dir):
 
 
 def test_a_repeated_command_is_refused_and_resume_or_overwrite_say_what_happens(tmp_path):
-    run_dir = tmp_path / "runs" / "again"
-    out, _ = train(tmp_path, "again", "--steps", "1")
+    """The full trainer's (--resume is its)."""
+    run_dir, full = tmp_path / "runs" / "again", "-m simple_grpo.train"
+    out, _ = train(tmp_path, "again", "--steps", "1", script=full)
     assert out.returncode == 0, out.stderr[-3000:]
     model = run_dir / "step_1" / "model.safetensors"
     before = (model.stat().st_mtime_ns, model.read_bytes())
 
-    out, seconds = train(tmp_path, "again", "--steps", "1")  # the same command again
+    out, seconds = train(tmp_path, "again", "--steps", "1", script=full)  # the same command again
     assert out.returncode != 0
     message = out.stderr.strip().splitlines()[-1]
     assert "runs/again/" in message and "--resume" in message and "--overwrite" in message, message
     assert "Loading weights" not in out.stderr + out.stdout  # refused before the model loads
     assert (model.stat().st_mtime_ns, model.read_bytes()) == before and steps_logged(run_dir) == [1]
 
-    out, _ = train(tmp_path, "again", "--steps", "2", "--resume")  # continued: step 2 after step 1
+    out, _ = train(tmp_path, "again", "--steps", "2", "--resume", script=full)  # continued: step 2 after step 1
     assert out.returncode == 0, out.stderr[-3000:]
     assert steps_logged(run_dir) == [1, 2] and (run_dir / "step_2").is_dir()
 
-    out, _ = train(tmp_path, "again", "--steps", "1", "--overwrite")  # replaced: a new run of one step
+    out, _ = train(tmp_path, "again", "--steps", "1", "--overwrite", script=full)  # replaced: a new run of one step
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("--overwrite: deleting step_") == 2
+    assert steps_logged(run_dir) == [1] and sorted(p.name for p in run_dir.glob("step_*")) == ["step_1"]
+
+
+def test_grpo_train_refuses_a_repeated_command_and_overwrite_replaces_the_run(tmp_path):
+    run_dir = tmp_path / "runs" / "again"
+    out, _ = train(tmp_path, "again", "--steps", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    model = run_dir / "step_2" / "model.safetensors"
+    before = (model.stat().st_mtime_ns, model.read_bytes())
+
+    out, seconds = train(tmp_path, "again", "--steps", "2")  # the same command again
+    assert out.returncode != 0
+    message = out.stderr.strip().splitlines()[-1]
+    assert "runs/again/" in message and "--overwrite" in message and "--resume" in message, message
+    assert "Loading weights" not in out.stderr + out.stdout  # refused before the model loads
+    assert (model.stat().st_mtime_ns, model.read_bytes()) == before and steps_logged(run_dir) == [1, 2]
+
+    out, _ = train(tmp_path, "again", "--steps", "1", "--overwrite")  # replaced: a new run of one step
+    assert out.returncode == 0, out.stderr[-3000:]
     assert steps_logged(run_dir) == [1] and sorted(p.name for p in run_dir.glob("step_*")) == ["step_1"]
 
 
@@ -141,7 +161,9 @@ def small_disk(tmp_path):
 
 
 def test_a_full_disk_during_a_save_keeps_the_last_checkpoint_and_resume_continues(tmp_path, small_disk):
-    out, _ = train(tmp_path, "full", "--steps", "3", "--save_every", "1")
+    """The full trainer's checkpoints (--resume is its)."""
+    full = "-m simple_grpo.train"
+    out, _ = train(tmp_path, "full", "--steps", "3", "--save_every", "1", script=full)
     assert out.returncode != 0
     message = out.stderr.strip().splitlines()[-1]
     assert message.startswith("no space left on the disk holding runs/full"), message
@@ -155,7 +177,7 @@ def test_a_full_disk_during_a_save_keeps_the_last_checkpoint_and_resume_continue
     assert (small_disk / "step_1" / "deepspeed").is_dir()  # what --resume needs
 
     subprocess.run(["mount", "-o", "remount,size=100m", str(small_disk)], check=True)  # space is back
-    out, _ = train(tmp_path, "full", "--steps", "3", "--save_every", "1", "--resume")
+    out, _ = train(tmp_path, "full", "--steps", "3", "--save_every", "1", "--resume", script=full)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resuming after step 1" in out.stdout
     assert steps_logged(small_disk) == [1, 2, 3] and (small_disk / "step_3" / "model.safetensors").is_file()

@@ -1,5 +1,7 @@
-"""Every number a default step uses is a flag: both trainers' --help list it with its default (every field of their
-Config), and the step reads that value (the optimizer DeepSpeed builds, the loss's options)."""
+"""Every number a default step of the full trainer uses is a flag: its --help lists it with its default, and the
+step reads that value (every field of its Config; the optimizer DeepSpeed builds, the loss's options). The
+lessons, grpo_train.py and grpo_vllm_one.py, write AdamW's numbers into their DeepSpeed dict instead:
+tests/test_grpo_train_copies.py and tests/test_lesson.py hold their dicts and flags equal to the full trainer's."""
 import dataclasses
 import inspect
 import json
@@ -14,14 +16,14 @@ from grpo_math import group_advantages, grpo_loss
 from simple_grpo.trainer.update import loss_options
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAINERS = ("grpo_train.py", "-m simple_grpo.train")  # what follows `python`
+TRAINERS = ("-m simple_grpo.train",)  # what follows `python`
 OPTIMIZER = ("lr", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay", "max_grad_norm")
 CHANGED = {"lr": 3e-5, "adam_beta1": 0.8, "adam_beta2": 0.95, "adam_epsilon": 1e-6, "weight_decay": 0.1,
            "max_grad_norm": 0.5}
 # what DeepSpeed's optimizer holds for a step started with each list of flags: its first parameter group, the clip
 ENGINE = """
 import json, sys
-from grpo_train import Config
+from simple_grpo.train import Config
 from simple_grpo.flags import parse_flags
 from simple_grpo.trainer.config import check_options
 from simple_grpo.trainer.deepspeed_engine import leave_process_group, make_engine
@@ -93,7 +95,7 @@ def test_the_optimizer_takes_each_number_from_its_flag(engines):
 
 
 def test_the_loss_options_of_a_default_step_are_the_defaults_help_lists_and_grpo_losss_own(helps):
-    from grpo_train import Config
+    from simple_grpo.train import Config
     from simple_grpo.trainer.config import check_options
     cfg = Config()
     check_options(cfg)
@@ -117,19 +119,18 @@ def test_the_loss_options_of_a_default_step_are_the_defaults_help_lists_and_grpo
     assert all(same(Config.advantage_eps, helps[script]["advantage_eps"][1]) for script in TRAINERS)
 
 
-def test_every_config_field_of_each_trainer_is_a_flag_with_its_default_in_help(helps):
+def test_every_config_field_of_the_full_trainer_is_a_flag_with_its_default_in_help(helps):
     """Every field, so every one a default step reads (tools/reading_path.py no longer traces the fields read)."""
-    import grpo_train
     import simple_grpo.train
-    for script, config in zip(TRAINERS, (grpo_train.Config, simple_grpo.train.Config)):
-        for field in dataclasses.fields(config):
+    for script in TRAINERS:
+        for field in dataclasses.fields(simple_grpo.train.Config):
             assert field.name in helps[script], (script, field.name)
-            assert same(getattr(config, field.name), helps[script][field.name][1]), (script, field.name,
-                                                                                      helps[script][field.name])
+            assert same(getattr(simple_grpo.train.Config, field.name), helps[script][field.name][1]), (
+                script, field.name, helps[script][field.name])
 
 
 def test_a_deepspeed_files_optimizer_numbers_become_the_flags_the_run_records(tmp_path, capsys):
-    from grpo_train import Config
+    from simple_grpo.train import Config
     from simple_grpo.trainer.config import check_options
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"gradient_clipping": 0.5, "optimizer": {"params": {

@@ -1,5 +1,6 @@
 """The trainers' research options end to end with real DeepSpeed and the tiny model: data files of
-each kind, a user's reward file, beta 0 without a reference server, num_iterations, the GSM8K recipe."""
+each kind (grpo_train.py: JSONL; the full trainer: Parquet and CSV too), a user's reward file, beta 0 without a
+reference server, num_iterations, the GSM8K recipe."""
 import csv
 import json
 import math
@@ -10,14 +11,14 @@ import sys
 import pytest
 import torch
 
-import simple_grpo.task.rewards as rewards
 from simple_grpo.task.problems import load_jsonl, make_prompt
 from grpo_math import completion_mask
 from simple_grpo.logprobs import sequence_logps
 from simple_grpo.run.checkpoints import RUNS_ENV, runs_root
 from simple_grpo.trainer.deepspeed_engine import make_engine
-from grpo_train import Config, main
-from simple_grpo.trainer.config import check_options
+import grpo_train
+from simple_grpo.train import Config
+from simple_grpo.trainer.config import TrainerConfig, check_options
 from simple_grpo.trainer.update import grpo_update
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,32 +52,42 @@ def write_data(tmp_path, kind):
     return path, {"question_field": "problem", "answer_field": "solution"}
 
 
-@pytest.fixture
-def restore_rewards():
-    saved = dict(rewards.REWARD_FUNCS)
-    yield
-    rewards.REWARD_FUNCS.clear()
-    rewards.REWARD_FUNCS.update(saved)
+SMALL_RUN = ["--beta", "0", "--ref_url", "http://127.0.0.1:9", "--steps", "2", "--batch_prompts", "2",
+             "--num_generations", "4", "--max_new_tokens", "16", "--save_every", "100"]
 
 
-@pytest.mark.parametrize("kind", ["jsonl", "parquet", "csv"])
-def test_two_steps_from_each_kind_of_data_file(kind, tmp_path, monkeypatch, restore_rewards):
-    """beta 0: no reference server anywhere (the URL points at a closed port). The Parquet run
-    also adds a reward from a file, which then shows in the metrics, weighted into the reward."""
-    path, fields = write_data(tmp_path, kind)
-    extra = {}
-    if kind == "parquet":
-        (tmp_path / "my_rewards.py").write_text(REWARD_FILE)
-        extra = {"reward_file": str(tmp_path / "my_rewards.py"), "reward_funcs": "correctness,format,brevity",
-                 "reward_weights": "1.0,0.5,0.25"}
+def test_two_grpo_train_steps_from_a_jsonl_file(tmp_path, monkeypatch):
+    """beta 0: no reference server anywhere (the URL points at a closed port)."""
+    path, _ = write_data(tmp_path, "jsonl")
     monkeypatch.chdir(tmp_path)  # runs/ goes here: the default, without the test suite's $SIMPLE_GRPO_RUNS
     monkeypatch.delenv(RUNS_ENV, raising=False)
-    cfg = Config(model=TINY, dataset=str(path), **fields, **extra, beta=0.0, ref_url="http://127.0.0.1:9",
-                 steps=2, batch_prompts=2, num_generations=4, max_new_tokens=16, run_name=kind, save_every=100)
-    main(cfg)
+    grpo_train.main(grpo_train.parse_flags(["--model", TINY, "--dataset", str(path), "--run_name", "jsonl",
+                                            *SMALL_RUN]))
+    rows = [json.loads(line) for line in open(tmp_path / "runs" / "jsonl" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["kl"] in (0.0, None) and "accuracy" in r for r in rows)  # None: a step with no update
+    assert os.path.exists(tmp_path / "runs" / "jsonl" / "step_2" / "model.safetensors")
+
+
+@pytest.mark.parametrize("kind", ["parquet", "csv"])
+def test_two_full_trainer_steps_from_each_kind_of_data_file(kind, tmp_path):
+    """The other field names (--question_field, --answer_field), beta 0: no reference server anywhere. The
+    Parquet run also adds a reward from a file, which then shows in the metrics, weighted into the reward."""
+    path, fields = write_data(tmp_path, kind)
+    extra = [arg for name, value in fields.items() for arg in (f"--{name}", value)]
+    if kind == "parquet":
+        (tmp_path / "my_rewards.py").write_text(REWARD_FILE)
+        extra += ["--reward_file", str(tmp_path / "my_rewards.py"), "--reward_funcs", "correctness,format,brevity",
+                  "--reward_weights", "1.0,0.5,0.25"]
+    env = {k: v for k, v in os.environ.items() if k != RUNS_ENV}  # runs/ goes to tmp_path: the default
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, "-m", "simple_grpo.train", "--model", TINY, "--dataset", str(path), *extra,
+                          *SMALL_RUN, "--run_name", kind], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "runs" / kind / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["kl"] in (0.0, None) and "reward_correctness" in r for r in rows)  # None: a step with no update
+    assert all(r["kl"] == 0.0 and "reward_correctness" in r for r in rows)
     assert os.path.exists(tmp_path / "runs" / kind / "step_2" / "model.safetensors")
     if kind == "parquet":
         for r in rows:
@@ -151,7 +162,7 @@ def test_every_number_of_a_step_is_printed_in_one_block_at_start(capsys):
             assert f" {name}=" in block, name
     for shown in ("tis_cap=1.5", "sync_every=2", "max_policy_lag=3", "beta=0.01", "num_generations=8"):
         assert shown in block
-    check_options(Config())  # grpo_train.py: no generation worker, no generation line
+    check_options(TrainerConfig())  # a config without the generation worker's flags: no generation line
     assert "generation:" not in capsys.readouterr().out
 
 
@@ -273,15 +284,15 @@ def test_micro_batches_give_the_whole_batchs_step(zero_stage, loss_type):
     assert parts_stats["skipped_updates"] == whole_stats["skipped_updates"] == 0
 
 
-@pytest.mark.slow  # a whole run (~15 s); RAFT's advantages and loss are checked fast in tests/test_loss_variants.py
+@pytest.mark.slow  # a whole run (~40 s); RAFT's advantages and loss are checked fast in tests/test_loss_variants.py
 def test_raft_trains_on_the_correct_completions_and_refuses_the_regrouping_server():
     from simple_grpo.train import Config as VllmConfig
     with pytest.raises(SystemExit, match="--advantage_estimator raft with --regroup"):
         check_options(VllmConfig(advantage_estimator="raft", regroup=True))
-    out = subprocess.run([sys.executable, "grpo_train.py", "--advantage_estimator", "raft", "--beta", "0", "--lr", "1e-4",
-                          "--steps", "2", "--batch_prompts", "4", "--num_generations", "4", "--max_new_tokens", "32",
-                          "--threads", "1", "--run_name", "test_raft", "--overwrite"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-m", "simple_grpo.train", "--advantage_estimator", "raft", "--beta", "0",
+                          "--lr", "1e-4", "--steps", "2", "--batch_prompts", "4", "--num_generations", "4",
+                          "--max_new_tokens", "32", "--threads", "1", "--run_name", "test_raft", "--overwrite"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in open(os.path.join(runs_root(), "test_raft", "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2]

@@ -87,8 +87,8 @@ def test_zero_stage_and_dtype_change_the_engine_they_name(steps):
 
 
 def test_lora_dropout_is_refused_while_dropout_is_disabled():
-    out = subprocess.run([sys.executable, "grpo_train.py", "--use_peft", "--disable_dropout", "--lora_dropout", "0.05",
-                          "--steps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "simple_grpo.train", "--use_peft", "--disable_dropout", "--lora_dropout",
+                          "0.05", "--steps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "--lora_dropout 0.05 does nothing while --disable_dropout holds every dropout at 0" in out.stdout + out.stderr
 

@@ -37,13 +37,13 @@ def main():
     # every feature (python -m simple_grpo.train); grpo_train: the policy samples for itself
     ap.add_argument("--trainer", default="grpo_vllm_one", choices=list(TRAINER_ARGS))
     ap.add_argument("--lora", action="store_true", help="train LoRA adapters (--use_peft with LORA_FLAGS): the full "
-                                                        "trainer's (or grpo_train.py's, with --trainer grpo_train)")
+                                                        "trainer's")
     ap.add_argument("--run_name", default=None, help="default: demo_vllm_seedN (the lesson), demo_full_seedN, "
                                                      "demo_seedN (grpo_train), demo_lora_...")
     ap.add_argument("train_args", nargs="*", help="extra trainer flags, after --")
     args = ap.parse_args()
-    if args.lora and args.trainer == "grpo_vllm_one":
-        print("--lora: LoRA is the full trainer's (python -m simple_grpo.train); the lesson has none")
+    if args.lora and args.trainer != "full":
+        print(f"--lora: LoRA is the full trainer's (python -m simple_grpo.train); {args.trainer} has none")
         args.trainer = "full"
     names = {"grpo_vllm_one": "vllm_", "full": "full_", "grpo_train": ""}
     run_name = args.run_name or (f"demo_{'lora_' if args.lora else ''}{names[args.trainer]}seed{args.seed}")

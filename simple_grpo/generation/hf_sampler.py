@@ -1,5 +1,6 @@
-"""Sampling with the policy itself (transformers generate, KV cache): grpo_train.py's sampler, and
-tools/explain_step.py's. grpo_vllm_one.py samples with vLLM instead (vllm_sampler.py)."""
+"""Sampling with the policy itself (transformers generate, KV cache): tools/explain_step.py's sampler, and the one
+grpo_train.py copies (tests/test_grpo_train_copies.py holds them equal). grpo_vllm_one.py and the full trainer sample
+with vLLM instead (vllm_sampler.py)."""
 import torch
 from transformers import GenerationConfig
 

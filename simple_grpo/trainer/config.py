@@ -149,7 +149,7 @@ def step_numbers(cfg, derived):
     {flag: (value, why)}), and why for each of those."""
     def shown(value):
         return f"{value:g}" if isinstance(value, float) else str(value)
-    flags = {f.name for f in dataclasses.fields(cfg)}  # grpo_train.py has no generation worker's flags
+    flags = {f.name for f in dataclasses.fields(cfg)}  # TrainerConfig alone has no generation worker's flags
     lines = ["one step's numbers (* filled in from other flags; runs/RUN_NAME/config.json holds every flag):"]
     for section, names in STEP_NUMBERS.items():
         values = [f"{name}={shown(getattr(cfg, name))}{'*' * (name in derived)}" for name in names if name in flags]

@@ -16,7 +16,7 @@ DTYPES = ("float32", "bfloat16")
 
 
 def setup_distributed():
-    """Let plain `python grpo_train.py` run as a one-process DeepSpeed job (MASTER_PORT 0: any free port)."""
+    """Let plain `python -m simple_grpo.train` run as a one-process DeepSpeed job (MASTER_PORT 0: any free port)."""
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "0"}.items():
         os.environ.setdefault(key, value)

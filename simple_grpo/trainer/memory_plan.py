@@ -176,7 +176,8 @@ def vllm_shares_training_gpu(cfg, world_size):
 
 
 def plan_memory(cfg, world_size=1, gpu_gb=None):
-    """The plan for a trainer's config `cfg` (grpo_train's or simple_grpo.train's): bytes per row for the
+    """The plan for a trainer's config `cfg` (simple_grpo.train's; one without vLLM's flags samples on its training
+    GPU, as grpo_train.py does): bytes per row for the
     training GPU, the generation GPU and the host, `fits`, `reasons` (why, and what to change) and the
     summary keys of plan_json.
 
@@ -190,13 +191,13 @@ def plan_memory(cfg, world_size=1, gpu_gb=None):
     shared copies, a checkpoint save's copy; and PROCESS_RUNTIME a process. Not counted: the ref server's model."""
     dtype, stage, offload = cfg.dtype, cfg.zero_stage, cfg.offload_optimizer
     checkpointing = cfg.gradient_checkpointing
-    uses_vllm = hasattr(cfg, "gen_memory")  # simple_grpo.train; grpo_train generates on the training GPU
+    uses_vllm = hasattr(cfg, "gen_memory")  # simple_grpo.train; without it, generation on the training GPU
     tp = cfg.gen_tp if uses_vllm else 1
     shared, layout = vllm_shares_training_gpu(cfg, world_size) if uses_vllm else (False, "no vLLM")
     gen_memory = vllm_memory_share(cfg.gen_memory if uses_vllm else 0.0, shared_gpu=shared)
     prompts, G, per_part = cfg.batch_prompts, cfg.num_generations, cfg.micro_batch_groups
     new_tokens = cfg.max_new_tokens
-    seq_len = cfg.max_model_len if uses_vllm else new_tokens + 512  # grpo_train has no such limit: prompts of up to 512
+    seq_len = cfg.max_model_len if uses_vllm else new_tokens + 512  # no vLLM, no such limit: prompts of up to 512
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} is not one the trainers use: pass float32 or bfloat16")
     if stage not in (0, 1, 2, 3):
@@ -274,7 +275,7 @@ def plan_memory(cfg, world_size=1, gpu_gb=None):
         reasons[0] += ": try " + ", ".join(tries or ["a GPU with more memory"])
     if not uses_vllm:
         gen = {key: 0 for key in gen}
-        reasons.append("generation: on the training GPU (grpo_train.py), within its activations' share")
+        reasons.append("generation: on the training GPU (no vLLM), within its activations' share")
     elif gen["needs"] > gen["takes"]:
         tries = ([f"--gen_memory {least}"] if least <= 0.95 else []) + (["--dtype bfloat16"] if d == 4 else []) \
             + (["a GPU with more memory for vLLM (--gen_device)"] if least > 0.5 else [])

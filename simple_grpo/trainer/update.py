@@ -1,5 +1,5 @@
-"""The full trainer's GRPO update (simple_grpo/train.py; grpo_train.py writes it out plainly): log-probs, loss,
-backward and one optimizer step, in micro-batches, on several ranks and iterations."""
+"""The full trainer's GRPO update (simple_grpo/train.py; grpo_train.py's grpo_step is its default step, plainly):
+log-probs, loss, backward and one optimizer step, in micro-batches, on several ranks and iterations."""
 import math
 
 import torch
