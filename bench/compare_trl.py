@@ -1,9 +1,9 @@
-"""bench/compare_trl.py: TRL's GRPOTrainer against grpo_train.py and the full trainer (simple_grpo/train.py), same
-work, on CPU.
+"""bench/compare_trl.py: TRL's GRPOTrainer against the lessons (grpo_train.py, grpo_vllm_one.py) and the full trainer
+(simple_grpo/train.py), same work, on CPU.
 
     bash tools/install.sh requirements-bench.txt   # TRL, for this benchmark only (make bench-trl does both)
     python bench/compare_trl.py [--steps 30] [--skip 3] [--lengths 32,256] \\
-        [--systems trl,grpo_train,full] [--gen_workers 1,2] [--gen_compile on] > compare_trl.jsonl
+        [--systems trl,grpo_train,grpo_vllm_one,full] [--gen_workers 1,2] [--gen_compile on] > compare_trl.jsonl
     python bench/compare_trl.py --world smollm2 --steps 20 --skip 3 --lengths 64 --systems trl,full
     python bench/compare_trl.py --world smollm2 --start DIR --steps 20 --skip 3 --lengths 64 --systems trl,full
 
@@ -208,9 +208,9 @@ def run_trl(completion_len, steps, skip, env, gradient_checkpointing, seed, worl
 
 # ---------------------------------------------------------------------------- our trainers
 def run_ours(trainer, completion_len, steps, skip, env, seed, world, w, gen_workers=1, gen_compile=True, extra=()):
-    lesson = trainer == "grpo_vllm_one"  # the default step's flags only: its prompt, its eager vLLM on a CPU
+    lesson = trainer in ("grpo_vllm_one", "grpo_train")  # the default step's flags only: its prompt, eager vLLM
     if lesson and (w["lora"] or w["system_prompt"] != SYSTEM_PROMPT):
-        raise SystemExit("the lesson (grpo_vllm_one) has no LoRA and no --system_prompt: this world is the full "
+        raise SystemExit(f"the lesson ({trainer}) has no LoRA and no --system_prompt: this world is the full "
                          "trainer's (--systems trl,full)")
     flags = ([] if lesson else ["--system_prompt", w["system_prompt"]])
     flags += ["--model", w["model"], "--batch_prompts", str(w["prompts"]),
@@ -249,7 +249,7 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--skip", type=int, default=3, help="first steps left out of the timings")
     ap.add_argument("--lengths", default="32,256", help="completion lengths in tokens")
-    ap.add_argument("--systems", default="trl,grpo_train,full", help=f"of {', '.join(SYSTEMS)}")
+    ap.add_argument("--systems", default="trl,grpo_train,grpo_vllm_one,full", help=f"of {', '.join(SYSTEMS)}")
     ap.add_argument("--trl_gradient_checkpointing", default="off", choices=["off", "on"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gen_workers", default="1", help="full's generation worker counts, e.g. 1,2")
