@@ -68,9 +68,8 @@ def main():
     keep = ("accuracy", "format_rate", "accuracy_in_format", "n")
     report = {"before": {k: before[k] for k in keep}, "after": {k: after[k] for k in keep},
               "minutes": round((time.time() - t0) / 60, 2)}
-    print_before_after(report, ("before", "after"),
-                       f"{report['minutes']:.1f} minutes. Curves: runs/{run_name}/curves.png, report: "
-                       f"runs/{run_name}/report.html")
+    print_before_after(report, ("before", "after"),  # report.html: tools/view_run.py's page, curves included
+                       f"{report['minutes']:.1f} minutes. Curves and completions: runs/{run_name}/report.html")
 
 
 if __name__ == "__main__":
