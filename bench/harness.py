@@ -102,6 +102,7 @@ def run(trainer, steps, skip, env, extra, run_name=None, ref_server=True, eval_a
     return {"trainer": trainer,
             "completions_per_s": round(completions / sum(r["step_s"] for r in timed), 2),
             "s_per_step": round(statistics.median(r["step_s"] for r in timed), 3),
+            "s_per_step_iqr": [round(q, 3) for q in statistics.quantiles([r["step_s"] for r in timed])[::2]],
             "gen_s_median": round(statistics.median(r["gen_s"] for r in timed), 3),
             "compute_s_median": round(statistics.median(r["compute_s"] for r in timed), 3),
             "peak_rss_mb": round(peak / 2**20), "peak_rss_with_ref_mb": round(peak_with_ref / 2**20),

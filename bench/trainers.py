@@ -7,7 +7,7 @@ Each trainer runs the same number of steps with its own reference server (bench/
 which starts it as `make demo` does), then its last checkpoint is evaluated greedily on the test
 split; full once per --gen_workers count. Prints one JSON line per run:
   completions_per_s  completions sampled per second of the training loop (steps * Q * G / time)
-  s_per_step         median wall time of one optimizer step
+  s_per_step         median wall time of one optimizer step (s_per_step_iqr: its quartiles)
   gen_s_median       median time to sample one step's batch (in the worker for full and grpo_vllm_one)
   compute_s_median   median forward/backward/optimizer time of one step in the trainer
   peak_rss_mb        peak resident memory of the trainer and its children (the vLLM worker)
