@@ -54,7 +54,6 @@ def parse_flags(args=None):  # transformers' HfArgumentParser makes each Config 
 VERSION = 2  # of the message format: a message of another version is refused
 TOKEN_ENV = "SIMPLE_GRPO_TOKEN"  # the shared secret, when the server listens beyond loopback
 FLOAT_TENSORS = ("rewards", "advantages", "sampler_logps")  # optional: what a group carries on to its trainer
-STALE_S = 600  # a finished group this old when the queue is full is dropped: its run stopped taking
 
 
 def encode(tensors, meta):  # meta goes in the header, as JSON
@@ -203,7 +202,7 @@ class Handler(WSGIRequestHandler):
         super().send_error(400 if code == 505 else code, message, explain)
 
 
-def make_app(model, cfg):
+def make_app(model, cfg, stale_s=600.0):  # stale_s: see /upload
     app, started = bottle.Bottle(), time.time()
     todo = queue.Queue(cfg.max_queue)  # uploaded groups (size, tensors, meta), oldest first
     finished, changed = [], threading.Condition()  # groups with their ref_logps, oldest first; its lock
@@ -249,8 +248,8 @@ def make_app(model, cfg):
         except (OSError, bottle.HTTPError) as e:  # the sender hung up mid-body, or sent broken chunks
             return refuse(400, f"the body could not be read ({type(e).__name__})")
         with changed:  # one upload at a time is checked against the queues' room and added
-            if len(finished) >= cfg.max_queue and time.time() - finished[0]["time"] > STALE_S:
-                finished.pop(0)  # its run stopped taking: the oldest group makes room
+            if len(finished) >= cfg.max_queue and time.time() - finished[0]["time"] > stale_s:
+                finished.pop(0)  # full, and the oldest group waited stale_s: its run stopped taking
             full = len(finished) >= cfg.max_queue or todo.full()
             if full or queued_bytes() + size > cfg.max_queue_mb * 2**20:
                 return refuse(503, "queue full: retry later")
@@ -288,7 +287,8 @@ def make_app(model, cfg):
 
 
 def main(cfg):
-    cfg.token, loopback = cfg.token or os.environ.get(TOKEN_ENV, ""), cfg.host == "localhost"
+    cfg.token = cfg.token or os.environ.get(TOKEN_ENV, "")
+    loopback = cfg.host == "localhost"
     with suppress(ValueError):  # a host name is no IP address
         loopback = ipaddress.ip_address(cfg.host).is_loopback
     if not loopback and not cfg.token:  # said before the model loads
