@@ -207,7 +207,7 @@ def make_app(model, cfg, stale_s=600.0):  # stale_s: see /upload
     todo = queue.Queue(cfg.max_queue)  # uploaded groups (size, tensors, meta), oldest first
     finished, changed = [], threading.Condition()  # groups with their ref_logps, oldest first; its lock
     stats = {"groups_in": 0, "groups_out": 0, "groups_taken": 0, "rejected": 0, "rejected_full": 0,
-             "errors": 0, "ref_s": 0.0}
+             "groups_stale": 0, "errors": 0, "ref_s": 0.0}
     threading.Thread(target=ref_worker, args=(model, todo, finished, changed, stats), daemon=True).start()
     gpus = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
     gpu = gpus.split(",")[model.device.index or 0].strip() if model.device.type == "cuda" else ""
@@ -250,6 +250,7 @@ def make_app(model, cfg, stale_s=600.0):  # stale_s: see /upload
         with changed:  # one upload at a time is checked against the queues' room and added
             if len(finished) >= cfg.max_queue and time.time() - finished[0]["time"] > stale_s:
                 finished.pop(0)  # full, and the oldest group waited stale_s: its run stopped taking
+                stats["groups_stale"] += 1
             full = len(finished) >= cfg.max_queue or todo.full()
             if full or queued_bytes() + size > cfg.max_queue_mb * 2**20:
                 return refuse(503, "queue full: retry later")

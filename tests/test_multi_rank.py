@@ -191,7 +191,7 @@ def test_the_ref_server_hands_each_run_its_own_groups_and_drops_stale_ones():
         ready(3)
         assert get("live") == ("live", 20) and get("dead_run") == ("dead_run", 11)  # dead_run's 10 was dropped
         stats = requests.get(url + "/stats", timeout=5).json()
-        assert stats["ready"] == 1 and stats["rejected_full"] == 1 and stats["errors"] == 0
+        assert stats["ready"] == 1 and stats["rejected_full"] == stats["groups_stale"] == 1 and stats["errors"] == 0
     finally:
         server.shutdown()
         server.server_close()
