@@ -1,7 +1,7 @@
 """ref_server.py: the frozen reference model behind HTTP. Generators POST groups to /upload, a thread adds
 the reference log-probs at each group's sampling temperature, trainers GET /get them, oldest first, each run
-its own. A lesson file, whole in itself: its message format, model fingerprint and HTTP guards behave as the
-full trainer's (simple_grpo/protocol.py, http_server.py); tests/test_ref_server_copies.py holds them equal.
+its own. A lesson file, whole in itself: tests/test_ref_server_copies.py holds its message format, checks,
+fingerprint and flags equal to the full trainer's (simple_grpo/protocol.py).
 
     python ref_server.py                                          # the tiny default model on 127.0.0.1:59875
     python ref_server.py --model Qwen/Qwen2.5-0.5B --device cuda:0     # it must hold the trainer's --model
