@@ -1,15 +1,15 @@
 """ref_server.py: the frozen reference model behind HTTP. Generators POST groups to /upload, a thread adds
 the reference log-probs at each group's sampling temperature, trainers GET /get them, oldest first, each run
-its own. A lesson file, whole in itself: its message format, model fingerprint and HTTP guards copy the full
-trainer's, simple_grpo/protocol.py and http_server.py; tests/test_ref_server_copies.py holds them equal.
+its own. A lesson file, whole in itself: tests/test_ref_server_copies.py holds its message format, checks,
+fingerprint and flags equal to the full trainer's (simple_grpo/protocol.py).
 
     python ref_server.py                                          # the tiny default model on 127.0.0.1:59875
     python ref_server.py --model Qwen/Qwen2.5-0.5B --device cuda:0     # it must hold the trainer's --model
     SIMPLE_GRPO_TOKEN=secret python ref_server.py --host 0.0.0.0       # off loopback a token is needed
 """
-import argparse, glob, hashlib, hmac, ipaddress, json, math, os, queue, socket, sys, threading, time
+import glob, hashlib, hmac, ipaddress, json, math, os, queue, socket, sys, threading, time
 from contextlib import suppress
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
@@ -18,7 +18,7 @@ import torch
 from huggingface_hub import snapshot_download
 from safetensors import safe_open
 from safetensors.torch import load, save
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
 from grpo_math import completion_logps
 
@@ -45,11 +45,8 @@ class Config:
     conn_timeout: float = flag(60.0, "seconds a connection may stay open: slow or stalled senders are cut")
 
 
-def parse_flags(args=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in fields(Config):
-        parser.add_argument(f"--{f.name}", type=type(f.default), default=f.default, **f.metadata)
+def parse_flags(args=None):  # transformers' HfArgumentParser makes each Config field a flag
+    parser = HfArgumentParser(Config, description=__doc__.split("\n\n")[0])
     return Config(**vars(parser.parse_args(args)))
 
 
@@ -104,9 +101,8 @@ def check_rollout(tensors, meta, vocab_size, max_len, max_group_size):
 
 # ---------------------------------------------------------------- the model: which one it is, its log-probs
 def model_fingerprint(model):
-    """What /health says it serves, for a trainer to check against its own --model: {"token_table": hash
-    of the token -> id table, "config": its fields, "weights": {tensor name: hash of its shape and first,
-    middle, last rows in bf16} of its safetensors files ({} if none)}."""
+    """What /health says it serves, for a trainer to compare with its own --model: hashes of the token table
+    and of each safetensors tensor's shape and first, middle, last rows in bf16, and the config's fields."""
     vocab = sorted(AutoTokenizer.from_pretrained(model).get_vocab().items())
     config = AutoConfig.from_pretrained(model).to_dict()
     for name in ("dtype", "torch_dtype", "transformers_version", "_name_or_path", "use_cache"):
@@ -127,40 +123,8 @@ def model_fingerprint(model):
             "weights": weights}
 
 
-class Finished:
-    """Finished groups, oldest first, at most maxsize, each taken by its own run (run_id). When full, one
-    older than stale_s seconds (its run stopped taking) makes room; until then the worker waits."""
-
-    def __init__(self, maxsize, stale_s=600.0):
-        self.items, self.maxsize, self.stale_s, self.changed = [], maxsize, stale_s, threading.Condition()
-
-    def put(self, run_id, item):  # returns the stale items dropped to make room
-        dropped = []
-        with self.changed:
-            while len(self.items) >= self.maxsize:
-                if time.time() - self.items[0][1] > self.stale_s:
-                    dropped.append(self.items.pop(0)[2])
-                else:
-                    self.changed.wait(timeout=1.0)
-            self.items.append((run_id, time.time(), item))
-            self.changed.notify_all()
-        return dropped
-
-    def get(self, run_id=None, timeout=0.0):  # the oldest of run_id (None: of any run), else queue.Empty
-        def of_run():
-            return [i for i, (r, _, _) in enumerate(self.items) if run_id in (None, r)]
-        with self.changed:
-            if not (found := self.changed.wait_for(of_run, timeout)):
-                raise queue.Empty
-            self.changed.notify_all()  # room for a waiting put
-            return self.items.pop(found[0])[2]
-
-    def qsize(self):
-        return len(self.items)
-
-
-def ref_worker(model, todo, done, stats):
-    """Take uploaded groups in order, add ref_logps (G, C) at the group's sampling temperature, queue them."""
+def ref_worker(model, todo, finished, changed, stats):
+    """Take uploaded groups in order, add ref_logps (G, C) at the group's temperature, finish them."""
     while True:
         size, tensors, meta = todo.get()
         try:
@@ -171,7 +135,10 @@ def ref_worker(model, todo, done, stats):
                                                 meta.get("temperature", 1.0))
             tensors["ref_logps"] = ref_logps.cpu()  # (G, C) float32
             stats["ref_s"] += time.time() - t0
-            done.put(meta.get("run_id"), (size, encode(tensors, meta)))  # waits while trainers are behind
+            with changed:  # wakes the trainers waiting in /get
+                finished.append({"run_id": meta.get("run_id"), "time": time.time(), "size": size,
+                                 "body": encode(tensors, meta)})
+                changed.notify_all()
             stats["groups_out"] += 1
         except Exception as e:  # noqa: BLE001 - report, keep serving
             stats["errors"] += 1
@@ -235,20 +202,20 @@ class Handler(WSGIRequestHandler):
         super().send_error(400 if code == 505 else code, message, explain)
 
 
-def make_app(model, cfg):
+def make_app(model, cfg, stale_s=600.0):  # stale_s: see /upload
     app, started = bottle.Bottle(), time.time()
-    todo, done = queue.Queue(cfg.max_queue), Finished(cfg.max_queue)  # (size, tensors, meta), (size, bytes)
+    todo = queue.Queue(cfg.max_queue)  # uploaded groups (size, tensors, meta), oldest first
+    finished, changed = [], threading.Condition()  # groups with their ref_logps, oldest first; its lock
     stats = {"groups_in": 0, "groups_out": 0, "groups_taken": 0, "rejected": 0, "rejected_full": 0,
-             "errors": 0, "ref_s": 0.0}
-    threading.Thread(target=ref_worker, args=(model, todo, done, stats), daemon=True).start()
+             "groups_stale": 0, "errors": 0, "ref_s": 0.0}
+    threading.Thread(target=ref_worker, args=(model, todo, finished, changed, stats), daemon=True).start()
     gpus = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
     gpu = gpus.split(",")[model.device.index or 0].strip() if model.device.type == "cuda" else ""
     about = {"model": cfg.model, "fingerprint": model_fingerprint(cfg.model), "device": cfg.device,
              "dtype": cfg.dtype, "gpu": int(gpu) if gpu.isdigit() else None}  # gpu: as nvidia-smi numbers it
-    upload_lock = threading.Lock()  # one upload at a time is checked against the queues' room and added
 
     def queued_bytes():  # the uploads the queues hold (list() copies one at once, whatever other threads do)
-        return sum(item[0] for item in list(todo.queue)) + sum(item[2][0] for item in list(done.items))
+        return sum(item[0] for item in list(todo.queue)) + sum(group["size"] for group in list(finished))
 
     def refuse(status, reason):  # an error answer with a one-line JSON reason, counted in /stats
         stats["rejected_full" if status == 503 else "rejected"] += 1
@@ -280,8 +247,12 @@ def make_app(model, cfg):
             return refuse(400, str(e))
         except (OSError, bottle.HTTPError) as e:  # the sender hung up mid-body, or sent broken chunks
             return refuse(400, f"the body could not be read ({type(e).__name__})")
-        with upload_lock:
-            if queued_bytes() + size > cfg.max_queue_mb * 2**20 or todo.full():
+        with changed:  # one upload at a time is checked against the queues' room and added
+            if len(finished) >= cfg.max_queue and time.time() - finished[0]["time"] > stale_s:
+                finished.pop(0)  # full, and the oldest group waited stale_s: its run stopped taking
+                stats["groups_stale"] += 1
+            full = len(finished) >= cfg.max_queue or todo.full()
+            if full or queued_bytes() + size > cfg.max_queue_mb * 2**20:
                 return refuse(503, "queue full: retry later")
             todo.put_nowait((size, tensors, meta))
         stats["groups_in"] += 1
@@ -291,22 +262,26 @@ def make_app(model, cfg):
     def get():
         """The oldest finished group (of ?run_id=, if given) as bytes; 204 if none within ?wait= seconds."""
         try:
-            wait = min(max(float(bottle.request.query.get("wait") or 0), 0.0), 30.0)
+            wait = float(bottle.request.query.get("wait") or 0)
+            if math.isnan(wait):
+                raise ValueError
         except ValueError:
-            wait = math.nan
-        if math.isnan(wait):
             return refuse(400, "wait must be a number of seconds")
-        try:
-            _, body = done.get(bottle.request.query.get("run_id") or None, timeout=wait)
-        except queue.Empty:
-            return bottle.HTTPResponse(status=204)
+        run_id = bottle.request.query.get("run_id") or None
+
+        def of_run():  # the places of run_id's finished groups (of any run's, for None)
+            return [i for i, group in enumerate(finished) if run_id in (None, group["run_id"])]
+        with changed:
+            if not (found := changed.wait_for(of_run, min(max(wait, 0.0), 30.0))):
+                return bottle.HTTPResponse(status=204)
+            body = finished.pop(found[0])["body"]
         stats["groups_taken"] += 1
         bottle.response.content_type = "application/octet-stream"
         return body
 
     @app.get("/stats")
     def stats_():
-        return {"waiting": todo.qsize(), "ready": done.qsize(), "queued_bytes": queued_bytes(),
+        return {"waiting": todo.qsize(), "ready": len(finished), "queued_bytes": queued_bytes(),
                 "uptime_s": round(time.time() - started, 1), **stats}
 
     return app
@@ -314,10 +289,9 @@ def make_app(model, cfg):
 
 def main(cfg):
     cfg.token = cfg.token or os.environ.get(TOKEN_ENV, "")
-    try:
-        loopback = cfg.host == "localhost" or ipaddress.ip_address(cfg.host).is_loopback
-    except ValueError:  # a host name
-        loopback = False
+    loopback = cfg.host == "localhost"
+    with suppress(ValueError):  # a host name is no IP address
+        loopback = ipaddress.ip_address(cfg.host).is_loopback
     if not loopback and not cfg.token:  # said before the model loads
         raise SystemExit(f"refusing to listen on {cfg.host} without a token: anyone who reaches it could "
                          f"feed the trainer. Set --token or {TOKEN_ENV} (trainers pass it as --ref_token).")

@@ -140,21 +140,61 @@ def test_ranks_with_different_numbers_of_groups_take_micro_batched_steps_togethe
 
 
 def test_the_ref_server_hands_each_run_its_own_groups_and_drops_stale_ones():
-    from ref_server import Finished
-    done = Finished(maxsize=3, stale_s=0.2)
-    done.put("rank0", "a0")
-    done.put("rank1", "b0")
-    done.put("rank0", "a1")
-    assert done.get("rank1") == "b0"  # not rank 0's older group
-    assert done.get("rank0") == "a0" and done.get() == "a1"
-    with pytest.raises(Exception):  # queue.Empty
-        done.get("rank1", timeout=0.1)
-    for i in range(3):
-        done.put("dead_run", f"d{i}")
+    """ref_server.py's app with --max_queue 3 and a stale time of 2 s, live on loopback in this process (the tiny
+    model on the CPU): /get?run_id= takes that run's oldest group, /get alone any run's oldest; when 3 finished
+    groups wait, an upload gets 503 until the oldest has waited 2 s (its run stopped taking), then it is dropped
+    to make room."""
+    import threading
     import time
-    time.sleep(0.3)
-    assert done.put("live", "x") == ["d0"]  # full: the oldest stale group made room
-    assert done.qsize() == 3 and done.get("live") == "x"
+    import requests
+    import torch
+    from transformers import AutoModelForCausalLM
+    import ref_server
+    from simple_grpo.protocol import decode, encode
+    from tests.test_ref_server_hostile import valid_group
+    model_path = os.path.join(ROOT, "models", "tiny-math")
+    cfg = ref_server.Config(model=model_path, port=free_port(), max_queue=3, device="cpu", dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval().requires_grad_(False)
+    server = ref_server.Server(cfg)
+    server.set_app(ref_server.make_app(model, cfg, stale_s=2.0))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{cfg.port}"
+
+    def put(run_id, version):
+        tensors, meta = valid_group(version)
+        return requests.post(url + "/upload", data=encode(tensors, {**meta, "run_id": run_id}), timeout=30).status_code
+
+    def get(run_id=None, wait=10):  # (run_id, policy_version) of the group taken, else the HTTP status
+        r = requests.get(url + "/get", params={"run_id": run_id, "wait": wait}, timeout=30)
+        if r.status_code != 200:
+            return r.status_code
+        meta = decode(r.content)[1]
+        return meta["run_id"], meta["policy_version"]
+
+    def ready(n):  # wait until n groups are finished
+        deadline = time.time() + 30
+        while requests.get(url + "/stats", timeout=5).json()["ready"] != n:
+            assert time.time() < deadline, f"{n} groups were not finished within 30 s"
+            time.sleep(0.02)
+
+    try:
+        assert [put("rank0", 0), put("rank1", 1), put("rank0", 2)] == [200] * 3
+        ready(3)
+        assert get("rank1") == ("rank1", 1)  # not rank 0's older group
+        assert get("rank0") == ("rank0", 0) and get() == ("rank0", 2)
+        assert get("rank1", wait=0.1) == 204
+        assert [put("dead_run", v) for v in (10, 11, 12)] == [200] * 3
+        ready(3)
+        assert put("live", 20) == 503  # full, and no group has waited 2 s yet
+        time.sleep(2.1)
+        assert put("live", 20) == 200  # full: the oldest stale group made room
+        ready(3)
+        assert get("live") == ("live", 20) and get("dead_run") == ("dead_run", 11)  # dead_run's 10 was dropped
+        stats = requests.get(url + "/stats", timeout=5).json()
+        assert stats["ready"] == 1 and stats["rejected_full"] == stats["groups_stale"] == 1 and stats["errors"] == 0
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.mark.slow

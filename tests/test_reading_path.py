@@ -55,8 +55,9 @@ def test_the_lessons_path_is_every_line_of_its_file_and_what_its_step_runs_of_gr
     assert {"completion_logps", "completion_mask", "group_advantages", "groups_with_signal", "grpo_loss",
             "capped_is_weight"} <= set(lesson["grpo_math.py"]["functions"])
     # the server's start-up (flags, model, fingerprint) and its request path (check, queue, reference log-probs)
+    server = set(lesson["ref_server.py"]["functions"])
     assert {"parse_flags", "main", "make_app", "model_fingerprint", "decode", "check_rollout", "encode",
-            "Finished.put", "Finished.get", "ref_worker"} <= set(lesson["ref_server.py"]["functions"])
+            "make_app.<locals>.upload", "make_app.<locals>.get", "ref_worker"} <= server
 
 
 def test_every_grpo_math_function_the_lesson_imports_is_in_its_traced_step():
