@@ -80,3 +80,17 @@ def test_a_lag_2_worker_samples_two_batches_in_one_call_and_none_trains_beyond_t
     for r in rows:  # the bound: every batch it trained on, at most 2 versions behind
         assert r["batch_lags"] == [r["policy_lag"]] and 0 <= r["policy_lag"] <= 2
         assert r["is_capped_frac"] >= 0 and r["is_weight_min"] <= r["is_weight_mean"] <= r["is_weight_max"]
+
+
+def test_a_batch_dropped_whole_in_a_call_is_drawn_again_with_the_later_ones_and_order_holds():
+    """One prompt of 2 completions a batch: about half the batches have no reward variance and are dropped whole.
+    A dropped batch's call posts nothing after it (its later batch is drawn again in the next call), so the trainer
+    still takes batches 0, 1, 2, ... in order, each within the bound, two of one call by one version."""
+    rows = lag_run("test_batches_per_call_drops", "--steps", "8", "--batch_prompts", "1", "--num_generations", "2")
+    assert [r["batch"] for r in rows] == list(range(8))
+    calls = [r["gen_call"] for r in rows]
+    assert calls == sorted(calls) and len(set(calls)) < calls[-1], calls  # some calls trained nothing: dropped
+    for a, b in zip(rows, rows[1:]):
+        if a["gen_call"] == b["gen_call"]:
+            assert a["step"] - 1 - a["policy_lag"] == b["step"] - 1 - b["policy_lag"]
+    assert all(0 <= r["policy_lag"] <= 2 and r["batch_lags"] == [r["policy_lag"]] for r in rows)
