@@ -3,7 +3,8 @@
 
     bash tools/install.sh requirements-bench.txt   # TRL, for this benchmark only (make bench-trl does both)
     python bench/compare_trl.py [--steps 30] [--skip 3] [--lengths 32,256] \\
-        [--systems trl,grpo_train,grpo_vllm_one,full] [--gen_workers 1,2] [--gen_compile on] > compare_trl.jsonl
+        [--systems trl,grpo_train,grpo_vllm_one,full] [--gen_workers 1,2] [--lags 1,2,4] [--gen_compile on] \
+        > compare_trl.jsonl
     python bench/compare_trl.py --world smollm2 --steps 20 --skip 3 --lengths 64 --systems trl,full
     python bench/compare_trl.py --world smollm2 --start DIR --steps 20 --skip 3 --lengths 64 --systems trl,full
 
@@ -32,7 +33,9 @@ Each system runs in its fastest configuration for this CPU:
                  --gen_compile (vLLM's model compiled: ~25 s more start-up, excluded, for 10-20% faster
                  sampling; --gen_compile off: eager), with its reference server; --gen_workers 1,2 runs it
                  once per worker count (2: a second worker on the trainer's core), reported as
-                 full and full_k2
+                 full and full_k2; --lags 1,2,4 runs it once per --max_policy_lag too (at 2 and above
+                 each worker samples up to that many batches in one vLLM call), reported as full_lag1,
+                 full_lag2, full_k2_lag4, ...
 All run with OMP_WAIT_POLICY=PASSIVE (as tools/demo.py): with the default, spinning OpenMP threads
 made TRL's generate ~10x slower whenever anything else ran on the 2 cores. Gradient checkpointing
 costs TRL ~15-40% more CPU time per forward/backward of this model, with no memory it needs to save.
@@ -50,6 +53,7 @@ Prints one JSON line per system and length, on stdout (all logs go to stderr):
                      server, sampled together (peak_rss_trainer_mb: without the server)
   accuracy_after     greedy test accuracy of the final model (tools/launch.py's evaluate -> evaluate.py)
   completion_len_mean  mean completion length in tokens (should be L)
+  policy_lag_mean, policy_lag_max  (the vLLM trainers) the policy lag of the batches the timed steps trained on
 then one line per length with the ratios of our completions_per_s to TRL's.
 """
 import argparse
@@ -65,6 +69,8 @@ sys.path.insert(0, ROOT)
 from bench.harness import (BETA, GROUP, LR, PROMPTS, REWARD_WEIGHTS, TEMPERATURE, TRAIN,  # noqa: E402
                            build_deepspeed_ops, run, wait_peak_rss)
 from simple_grpo.lora import is_adapter_dir  # noqa: E402
+from simple_grpo.run.checkpoints import runs_root  # noqa: E402
+from simple_grpo.run.metrics import read_metrics  # noqa: E402
 from tools import smollm2_recipe  # noqa: E402
 from tools.launch import MODEL, child_env, evaluate, smollm2_warm_start  # noqa: E402
 from simple_grpo.task.problems import SYSTEM_PROMPT  # noqa: E402
@@ -207,7 +213,9 @@ def run_trl(completion_len, steps, skip, env, gradient_checkpointing, seed, worl
 
 
 # ---------------------------------------------------------------------------- our trainers
-def run_ours(trainer, completion_len, steps, skip, env, seed, world, w, gen_workers=1, gen_compile=True, extra=()):
+def run_ours(trainer, completion_len, steps, skip, env, seed, world, w, gen_workers=1, gen_compile=True, extra=(),
+             lag=None):
+    """One of our trainers' runs; lag: the full trainer's --max_policy_lag (None: its default, not passed)."""
     lesson = trainer in ("grpo_vllm_one", "grpo_train")  # the default step's flags only: its prompt, eager vLLM
     if lesson and (w["lora"] or w["system_prompt"] != SYSTEM_PROMPT):
         raise SystemExit(f"the lesson ({trainer}) has no LoRA and no --system_prompt: this world is the full "
@@ -224,8 +232,9 @@ def run_ours(trainer, completion_len, steps, skip, env, seed, world, w, gen_work
         flags += ["--max_model_len", "512"]  # the tiny model's context length
         flags += ["--gen_workers", str(gen_workers)] if trainer == "full" else []  # the lesson has one worker
         flags += ["--gen_compile"] if gen_compile and not lesson else []
+    flags += ["--max_policy_lag", str(lag)] if lag is not None else []
     name = (f"bench_{trainer}_{'' if world == 'tiny' else world + '_'}L{completion_len}"
-            + (f"_k{gen_workers}" if gen_workers > 1 else ""))
+            + (f"_k{gen_workers}" if gen_workers > 1 else "") + (f"_lag{lag}" if lag is not None else ""))
     # a reference server only where there is a KL term and no LoRA base to stand in for it
     result = run(trainer, steps, skip, env, flags, run_name=name + (f"_seed{seed}" if seed else ""),
                  ref_server=w["beta"] > 0 and not w["lora"], eval_args=w["eval_args"])
@@ -234,7 +243,16 @@ def run_ours(trainer, completion_len, steps, skip, env, seed, world, w, gen_work
     result["peak_rss_mb"] = result.pop("peak_rss_with_ref_mb")  # TRL's figure holds its reference model too
     if trainer in VLLM_TRAINERS:
         result["gen_compile"] = gen_compile and not lesson
+        result.update(policy_lag_seen(name + (f"_seed{seed}" if seed else ""), skip))
     return result
+
+
+def policy_lag_seen(run_name, skip):
+    """The policy lag of each batch the timed steps trained on (batch_lags where the run logs them, at
+    --max_policy_lag >= 2; else each step's policy_lag): mean and max."""
+    rows, _ = read_metrics(os.path.join(ROOT, runs_root(), run_name, "metrics.jsonl"))
+    lags = [lag for r in rows[skip:] for lag in r.get("batch_lags", [r["policy_lag"]])]
+    return {"policy_lag_mean": round(statistics.mean(lags), 2), "policy_lag_max": max(lags)}
 
 
 def result_line(args, system, completion_len, result):
@@ -253,6 +271,8 @@ def parse_args(argv=None):
     ap.add_argument("--trl_gradient_checkpointing", default="off", choices=["off", "on"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gen_workers", default="1", help="full's generation worker counts, e.g. 1,2")
+    ap.add_argument("--lags", default=None, help="full's --max_policy_lag values, e.g. 1,2,4: a row each "
+                                                 "(full_lag2); default: its own default, not passed")
     ap.add_argument("--gen_compile", default="on", choices=["on", "off"], help="the vLLM trainers' --gen_compile")
     ap.add_argument("--ours_flags", default="", help="more flags for our trainers, e.g. \"--max_policy_lag 0\"")
     ap.add_argument("--world", default="tiny", choices=["tiny", "smollm2"],
@@ -281,6 +301,8 @@ def main(argv=None):
             raise SystemExit(f"unknown system {system!r}: use {', '.join(SYSTEMS)}")
     if args.skip >= args.steps:
         raise SystemExit(f"--skip {args.skip} leaves no timed steps of --steps {args.steps}")
+    if args.lags is not None and "--max_policy_lag" in args.ours_flags.split():
+        raise SystemExit("--lags and --ours_flags \"--max_policy_lag ...\" both set full's lag: give it once")
     # stdout carries only the JSON lines: everything else (our logs, the children's) goes to stderr
     results_out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
@@ -288,17 +310,19 @@ def main(argv=None):
     if set(systems) - {"trl"}:
         build_deepspeed_ops(env)
     worker_counts = [int(k) for k in args.gen_workers.split(",")]
-    runs = [(s, k) for s in systems for k in (worker_counts if s == "full" else [1])]
+    lags = [int(lag) for lag in args.lags.split(",")] if args.lags is not None else [None]
+    runs = [(s, k, lag) for s in systems for k in (worker_counts if s == "full" else [1])
+            for lag in (lags if s == "full" else [None])]
     speed = {}
     for completion_len in lengths:
-        for system, k in runs:
-            name = system + (f"_k{k}" if k > 1 else "")
+        for system, k, lag in runs:
+            name = system + (f"_k{k}" if k > 1 else "") + (f"_lag{lag}" if lag is not None else "")
             if system == "trl":
                 result = run_trl(completion_len, args.steps, args.skip, env, args.trl_gradient_checkpointing, args.seed,
                                  args.world, w, args.start)
             else:
                 result = run_ours(system, completion_len, args.steps, args.skip, env, args.seed, args.world, w, k,
-                                  args.gen_compile == "on", args.ours_flags.split())
+                                  args.gen_compile == "on", args.ours_flags.split(), lag)
                 result["ours_flags"] = args.ours_flags
             result = result_line(args, name, completion_len, result)
             speed[name, completion_len] = result["completions_per_s"]

@@ -13,9 +13,9 @@ the trainer straight). The trainer (main) does `3.` take the batch, `4.` the upd
 `5.` send the new weights to the worker, in memory. The lines so marked are the algorithm; the rest is plumbing.
 
 While the trainer computes step s, the worker samples step s+1's batch with weights at most --max_policy_lag versions
-behind (WorkerSchedule); each token's policy-gradient term is weighted by min(pi_old / pi_vLLM, --tis_cap) (biased
-where the cap binds; the KL term is not). The same default step, read in one file: grpo_vllm_one.py (the lesson;
-tests/test_lesson.py and tests/test_lesson_run.py hold the two equal).
+behind (WorkerSchedule; with a bound k >= 2, up to k batches in one vLLM call); each token's policy-gradient term is
+weighted by min(pi_old / pi_vLLM, --tis_cap) (biased where the cap binds; the KL term is not). The same default step,
+read in one file: grpo_vllm_one.py (the lesson; tests/test_lesson.py and tests/test_lesson_run.py hold the two equal).
 """
 import dataclasses
 import os
@@ -35,7 +35,7 @@ from simple_grpo.devices import max_over_ranks
 from simple_grpo.flags import flag, parse_flags
 from simple_grpo.generation.vllm_sampler import (check_context_length, generated_lengths, sample, start_vllm,
                                                  stop_vllm)
-from simple_grpo.generation.weight_sync import WeightSender, WorkerSchedule
+from simple_grpo.generation.weight_sync import WeightSender, WorkerSchedule, most_batches_per_call
 from simple_grpo.generation.workers import (WorkerProgress, batch_worker, check_workers, local_world_size,
                                             resume_workers, start_workers, stop_workers, stream_id, take_local_group,
                                             wait_for_vllm)
@@ -102,7 +102,8 @@ def gen_worker(cfg, run_id, ranks, worker, channels):
     # the trainer notices a dead ref server first, and names it, if this process waits longer
     cfg = dataclasses.replace(cfg, peer_timeout=cfg.peer_timeout + 15)
     t0 = time.time()
-    llm = start_vllm(cfg, compile=cfg.gen_compile, max_seqs=cfg.batch_prompts * cfg.num_generations)
+    llm = start_vllm(cfg, compile=cfg.gen_compile,  # room for every sequence of a call's batches at once
+                     max_seqs=most_batches_per_call(cfg) * cfg.batch_prompts * cfg.num_generations)
     channels.status.put(("ready", time.time() - t0))
     tokenizer = llm.get_tokenizer()
     stop_ids = stop_token_ids(tokenizer, cfg.prompt_format, cfg.model)  # vLLM's stop set and the masks', one list
@@ -114,52 +115,80 @@ def gen_worker(cfg, run_id, ranks, worker, channels):
     schedule = WorkerSchedule(cfg, llm, channels, n, first_batch_index=worker,
                               draw=lambda: rng.sample(problems, cfg.batch_prompts))
     while not channels.stop.is_set():
-        if not schedule.take_weights_or_wait():  # GRPO 5. the worker's half: load the weights this batch samples with
+        if not schedule.take_weights_or_wait():  # GRPO 5. the worker's half: load the weights this call samples with
             continue
 
-        # GRPO 1. sample G completions per problem with weights version schedule.version (vLLM), with their log-probs
+        # GRPO 1. sample G completions per problem with weights version schedule.version (vLLM), with their log-probs:
+        # the batches of one call (one at --max_policy_lag 1; up to that many above it) as one generate
         t0 = time.time()
-        batch_problems = schedule.draw_problems() + ask_again
-        prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format, cfg.system_prompt) for p in batch_problems]
-        prompt_rows, completion_ids, sampler_logps = sample(llm, prompts, cfg, stop_ids)  # Q x (P_q,); (Q*G, C) each
-        lengths = generated_lengths(sampler_logps)  # (Q*G,) tokens vLLM generated: padding after them
-        until_stop = completion_mask(completion_ids, stop_ids, lengths=lengths)  # (Q*G, C): 1 up to the stop token
-        texts = tokenizer.batch_decode(completion_ids.masked_fill(until_stop == 0, tokenizer.pad_token_id),
-                                       skip_special_tokens=True)  # each completion's text, up to its stop token
+        batches = [(b, schedule.draw_problems() + ask_again, schedule.draws) for b in schedule.batches()]
+        all_problems = [p for _, batch_problems, _ in batches for p in batch_problems]
+        prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format, cfg.system_prompt) for p in all_problems]
+        call_rows, call_ids, call_logps = sample(llm, prompts, cfg, stop_ids)  # Q x (P_q,); (Q*G, C) each
+        call_lengths = generated_lengths(call_logps)  # (Q*G,) tokens vLLM generated: padding after them
+        call_until_stop = completion_mask(call_ids, stop_ids, lengths=call_lengths)  # (Q*G, C): 1 up to the stop
+        call_texts = tokenizer.batch_decode(call_ids.masked_fill(call_until_stop == 0, tokenizer.pad_token_id),
+                                            skip_special_tokens=True)  # each completion's text, up to its stop token
         gen_s = time.time() - t0
-        # GRPO 2. score them; group-relative advantages; groups whose rewards are all alike are dropped
-        rewards, scores = score_groups(texts, batch_problems, G, reward_weights)  # (Q*G,), Q*G dicts
-        meta = {"run_id": stream_id(run_id, ranks[schedule.batch_index % n], world, cfg, worker),
-                "policy_version": schedule.version, "temperature": cfg.temperature, "worker": worker}
-        groups, has_signal = make_groups(prompt_rows, completion_ids, until_stop, rewards, G, meta, sampler_logps,
-                                         keep_equal=cfg.regroup, scale_rewards=cfg.scale_rewards, scores=scores,
-                                         estimator=cfg.advantage_estimator, eps=cfg.advantage_eps,
-                                         correct=correct_rows(scores, reward_weights))  # raft: the correct ones
-        generated += completion_ids.size(0)
-        truncated = is_truncated(completion_ids, stop_ids, lengths)  # (Q*G,): cut off with no stop token, at
-        context_cut = truncated & (lengths < cfg.max_new_tokens)   # --max_new_tokens or at the context's end
-        rollout_figures = {**rollout_stats(rewards, scores, until_stop, has_signal, gen_s, truncated,
-                                           pick_accuracy_reward(reward_weights)),
-                           "context_cut_frac": context_cut.float().mean().item(),
-                           "weights_load_s": schedule.load_s, "generated": generated}  # for the trainer's log
-        channels.status.put(("batch", {**batch_summary(rewards, scores, texts, has_signal), "posted": len(groups)}))
-        if cfg.regroup:  # ask again the fresh questions whose answers differ though they all scored alike
-            answers = [extract_answer(text) for text in texts]
-            ask_again = [p for q, p in enumerate(batch_problems[:cfg.batch_prompts])
-                         if not has_signal[q] and len(set(answers[q * G:(q + 1) * G])) > 1]
-        for _, m in groups:  # the trainer takes groups_in_batch groups as one batch
-            m.update(batch_index=schedule.batch_index, draws=schedule.draws, groups_in_batch=len(groups),
-                     rollout_figures=rollout_figures)
-        if uses_ref_server(cfg):
-            post_groups(cfg, groups)  # prompt (P_q,), completions (G, C_q): the ref server adds ref_logps (G, C_q)
-        else:
-            for group in groups:
-                channels.groups.put(group)  # the tensors travel in shared memory
-        schedule.sampled(kept=bool(groups))  # no group kept: new problems for the same batch
+        tokens_per_s = call_until_stop.sum().item() / gen_s  # the call's: its batches share its seconds
+        generated += call_ids.size(0)
+        schedule.calls, q0 = schedule.calls + 1, 0  # q0: the batch's first prompt in the call
+        for batch_index, batch_problems, draws in batches:  # each batch on its own, in order
+            q1 = q0 + len(batch_problems)
+            rows = slice(q0 * G, q1 * G)  # its completions in the call
+            C = int(call_lengths[rows].max())  # its own padding: none that only the call's other batches needed
+            prompt_rows, texts, lengths = call_rows[q0:q1], call_texts[rows], call_lengths[rows]
+            completion_ids, sampler_logps = call_ids[rows, :C], call_logps[rows, :C]  # (Q*G, C) each
+            until_stop, q0 = call_until_stop[rows, :C], q1
+            # GRPO 2. score them; group-relative advantages; groups whose rewards are all alike are dropped
+            rewards, scores = score_groups(texts, batch_problems, G, reward_weights)  # (Q*G,), Q*G dicts
+            meta = {"run_id": stream_id(run_id, ranks[batch_index % n], world, cfg, worker),
+                    "policy_version": schedule.version, "temperature": cfg.temperature, "worker": worker}
+            groups, has_signal = make_groups(prompt_rows, completion_ids, until_stop, rewards, G, meta, sampler_logps,
+                                             keep_equal=cfg.regroup, scale_rewards=cfg.scale_rewards, scores=scores,
+                                             estimator=cfg.advantage_estimator, eps=cfg.advantage_eps,
+                                             correct=correct_rows(scores, reward_weights))  # raft: the correct ones
+            truncated = is_truncated(completion_ids, stop_ids, lengths)  # (Q*G,): cut off with no stop token, at
+            context_cut = truncated & (lengths < cfg.max_new_tokens)   # --max_new_tokens or at the context's end
+            rollout_figures = {**rollout_stats(rewards, scores, until_stop, has_signal, gen_s, truncated,
+                                               pick_accuracy_reward(reward_weights)),
+                               "tokens_per_s": tokens_per_s,
+                               "context_cut_frac": context_cut.float().mean().item(),
+                               "weights_load_s": schedule.load_s, "generated": generated}  # for the trainer's log
+            if cfg.max_policy_lag > 1:  # which vLLM call of this worker's sampled the batch, and with how many
+                rollout_figures.update(gen_call=schedule.calls, gen_call_batches=len(batches))
+            channels.status.put(("batch", {**batch_summary(rewards, scores, texts, has_signal), "posted": len(groups)}))
+            if cfg.regroup:  # ask again the fresh questions whose answers differ though they all scored alike
+                answers = [extract_answer(text) for text in texts]
+                ask_again = [p for q, p in enumerate(batch_problems[:cfg.batch_prompts])
+                             if not has_signal[q] and len(set(answers[q * G:(q + 1) * G])) > 1]
+            for _, m in groups:  # the trainer takes groups_in_batch groups as one batch
+                m.update(batch_index=batch_index, draws=draws, groups_in_batch=len(groups),
+                         rollout_figures=rollout_figures)
+            if uses_ref_server(cfg):
+                post_groups(cfg, groups)  # prompt (P_q,), completions (G, C_q): the ref server adds ref_logps (G, C_q)
+            else:
+                for group in groups:
+                    channels.groups.put(group)  # the tensors travel in shared memory
+            schedule.sampled(kept=bool(groups))  # no group kept: new problems for the same batch
+            if not groups:  # the groups go out in batch order: the call's later batches are sampled again too
+                break
     stop_vllm(llm)  # the engine and its process groups, before this process exits
 
 
 # ---------------------------------------------------------------------------- training
+def batch_lags(metas, step, world):
+    """The policy lag of each batch the step trains on (step - 1 - the version that sampled it), in batch order: this
+    rank's (one batch; with --regroup the batches its groups came from), then each other rank's (a collective)."""
+    versions = {(m["worker"], m["batch_index"]): m["policy_version"] for m in metas}
+    lags = [step - 1 - version for _, version in sorted(versions.items())]
+    if world > 1:
+        every_rank = [None] * world
+        dist.all_gather_object(every_rank, lags)
+        lags = [lag for rank_lags in every_rank for lag in rank_lags]
+    return lags
+
+
 def main(cfg: Config):
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     check_options(cfg)  # bad options and data fail here, before any process starts
@@ -272,6 +301,8 @@ def main(cfg: Config):
                       "batch": meta["batch_index"], "worker": meta["worker"], "generated": sum(generated),
                       "trained": trained, "wait_s": wait_s, "compute_s": compute_s, "ref_s": ref_s,
                       "sync_s": time.time() - t0 - wait_s - compute_s, "step_s": time.time() - t0}
+            if cfg.max_policy_lag > 1:  # the staleness of each batch this step trained on, every rank's
+                record["batch_lags"] = batch_lags(metas, step, world)
 
             # what this step measured: metrics.jsonl, a few completions, the run doctor's verdict
             stop_reason = progress.update(step) if progress is not None else None  # the batches made meanwhile

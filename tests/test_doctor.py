@@ -132,6 +132,24 @@ def test_sampler_mismatch_and_ratio(tmp_path):
     assert "max 9" in warnings_in(path)[0]["message"]
 
 
+def test_tis_weights_at_the_cap_fire_over_a_window_naming_the_lags(tmp_path):
+    """A stale run (--max_policy_lag 4) whose TIS weights sit at --tis_cap for most tokens: the weights have collapsed
+    and no longer correct the staleness. Fewer than the window's steps, or a share under the limit, stay quiet."""
+    d, path = doctor(tmp_path, doctor_window=3, max_policy_lag=4, tis_cap=2.0)
+    stale = dict(is_weight_mean=1.8, is_weight_min=0.2, is_weight_max=2.0, policy_lag=3)
+    records = [healthy(1, is_capped_frac=0.9, batch_lags=[1], **stale), healthy(2, is_capped_frac=0.9,
+                                                                                 batch_lags=[4], **stale)]
+    assert run_steps(d, records) == []  # within the window
+    assert run_steps(d, [healthy(3, is_capped_frac=0.3, batch_lags=[3], **stale)]) == ["tis"]  # the mean: 70%
+    (w,) = warnings_in(path)
+    assert w["warning"] == "tis" and w["step"] == 3
+    assert "70% of the tokens' TIS weights" in w["message"] and "--tis_cap 2" in w["message"]
+    assert "policy lag mean 2.7, max 4" in w["message"] and "Lower --max_policy_lag" in w["message"]
+    (tmp_path / "quiet").mkdir()
+    d, path = doctor(tmp_path / "quiet", doctor_window=3)
+    assert run_steps(d, [healthy(s, is_capped_frac=0.4, policy_lag=1) for s in range(1, 6)]) == []
+
+
 def test_steps_without_an_update_fire_no_rule(tmp_path):
     """grpo_train.py logs kl, loss, grad_norm, ratio_mean and clip_fraction as None where no group had signal."""
     d, path = doctor(tmp_path, doctor_window=3)
@@ -153,7 +171,7 @@ def test_stop_on_turns_a_rule_into_a_stop_and_rejects_unknown_names(tmp_path):
     assert stop.startswith("run doctor stopped the run (--stop_on kl): KL 50")
     with pytest.raises(SystemExit, match="unknown --stop_on rule"):
         parse_stop_on("kl,loss_is_zero")
-    assert set(RULES) == {"no_signal", "kl", "entropy", "truncated", "mismatch", "ratio"}
+    assert set(RULES) == {"no_signal", "kl", "entropy", "truncated", "mismatch", "ratio", "tis"}
 
 
 def test_quiet_on_the_tiny_demos_healthy_metrics(tmp_path):

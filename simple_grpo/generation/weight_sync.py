@@ -147,10 +147,29 @@ def sampling_version(batch_index, cfg):
     return -(-oldest // cfg.sync_every) * cfg.sync_every
 
 
+def most_batches_per_call(cfg):
+    """At most this many batches in one vLLM call of a worker's: --max_policy_lag (1 below 2, and with --regroup)."""
+    return 1 if cfg.regroup else max(cfg.max_policy_lag, 1)
+
+
+def call_batches(first, n_ranks, cfg):
+    """The batch numbers one vLLM call samples, from this worker's next, `first`: with --max_policy_lag k >= 2 up to
+    k of its batches (first, + gen_workers, ...), as long as one version allows each of them (sampling_version of
+    the last, within the bound for all) and that version is out a step before `first` trains, so that the call
+    overlaps a step of the trainer's (at the very start: version 0). k = 1 or --regroup: [first]."""
+    newest = max(first // n_ranks - 1, sampling_version(first // n_ranks, cfg))  # the newest the call may wait for
+    batches = [first]
+    while (len(batches) < most_batches_per_call(cfg)
+           and sampling_version((batches[-1] + cfg.gen_workers) // n_ranks, cfg) <= newest):
+        batches.append(batches[-1] + cfg.gen_workers)
+    return batches
+
+
 class WorkerSchedule:
     """A generation worker's weights and batch numbers (docs/guide.md: "Which weights sample which batch"). Version
     v is the weights after step v. Batch b (first_batch_index, + gen_workers, ...; rank b % n's number b // n) is
-    sampled by sampling_version(b // n): the worker waits for it, holds newer weights back, and passes older ones
+    sampled in a vLLM call with the batches call_batches gives, by sampling_version of the call's last (at lag 1:
+    each batch by sampling_version(b // n)): the worker waits for it, holds newer weights back, and passes older ones
     (another worker's) over. --regroup: no wait, nothing held back."""
 
     def __init__(self, cfg, llm, channels, n_ranks, first_batch_index, draw):
@@ -158,6 +177,11 @@ class WorkerSchedule:
         self.version = None if cfg.resume else 0  # of the loaded weights; None: the checkpoint's are on their way
         self.batch_index, self.draws = first_batch_index, 0  # the next batch's number; problem draws so far
         self.held, self.shared, self.load_s, self.waiting_since = None, {}, 0.0, None
+        self.calls = 0  # vLLM calls made so far
+
+    def batches(self):
+        """The batch numbers the next vLLM call samples (call_batches)."""
+        return call_batches(self.batch_index, self.n, self.cfg)
 
     def draw_problems(self):
         """The next batch's problems, counted in draws (the data position a checkpoint keeps)."""
@@ -167,9 +191,10 @@ class WorkerSchedule:
 
     def take_weights_or_wait(self):
         """Take the next message from the trainer (waiting up to 1 s where weights are due) and act on it. True when
-        the next batch may be sampled now; ends the run if due weights have not come in --data_timeout."""
+        the next call's batches may be sampled now; ends the run if due weights have not come in --data_timeout."""
         cfg, channels = self.cfg, self.channels
-        lag = None if self.version is None else self.batch_index // self.n - self.version  # were it sampled now
+        last = self.batches()[-1] // self.n  # the rank's number of the call's last batch: the bound binds there
+        lag = None if self.version is None else last - self.version  # were it sampled now
         must_wait = lag is None or (not cfg.regroup and lag > cfg.max_policy_lag)
         message, self.held = self.held, None  # weights held back before the last batch come first
         if message is None:
@@ -178,14 +203,14 @@ class WorkerSchedule:
             except queue.Empty:
                 pass
         if message is not None and message[0] == "weights" and self.version is not None and not cfg.regroup:
-            due = sampling_version(self.batch_index // self.n, cfg)  # the version that samples the next batch
+            due = sampling_version(last, cfg)  # the version that samples the next call
             if message[1] > due:
-                message, self.held = None, message  # too new for the next batch: loaded once it is sampled
+                message, self.held = None, message  # too new for the next call: loaded once it is sampled
             elif message[1] < due:  # too old: another worker's batch was sampled with it
                 channels.loaded.value, message = message[1], None  # passed over, never loaded: its buffer is free
         self.waiting_since = (self.waiting_since or time.time()) if must_wait and message is None else None
         if self.waiting_since is not None and time.time() - self.waiting_since > cfg.data_timeout:
-            needed = self.batch_index // self.n - cfg.max_policy_lag
+            needed = last - cfg.max_policy_lag
             raise SystemExit(f"generation worker: no new weights from the trainer in {cfg.data_timeout:.0f} s "
                              f"(it has version {self.version}, needs {needed})")
         if message is not None and message[0] == "resume":  # the checkpoint's batch number and data position

@@ -9,7 +9,7 @@ from tqdm import tqdm
 from simple_grpo.run.disk_guard import append_lines
 from simple_grpo.run.metrics import is_number
 
-RULES = ("no_signal", "kl", "entropy", "truncated", "mismatch", "ratio")  # each one's --doctor_* flags say when
+RULES = ("no_signal", "kl", "entropy", "truncated", "mismatch", "ratio", "tis")  # each one's --doctor_* flags say when
 GAP_OUTLIER = 1.0  # nats: a token whose sampler and trainer log-probs differ by more is no precision noise
 
 
@@ -113,7 +113,21 @@ class RunDoctor:
             ratios = [r.get("ratio_mean", 1.0) for r in recent if is_number(r.get("ratio_mean", 1.0))]
             stops.append(self.report("ratio", abs(mean(ratios) - 1) > cfg.doctor_ratio_band, step,
                                      lambda: self.ratio_message(record, ratios)))
+        capped = [r["is_capped_frac"] for r in recent if is_number(r.get("is_capped_frac"))]  # TIS on (--tis_cap)
+        collapsed = len(capped) == window and mean(capped) > cfg.doctor_tis_capped_max
+        stops.append(self.report("tis", collapsed, step, lambda: self.tis_message(record, capped, recent)))
         return next((stop for stop in stops if stop), None)
+
+    def tis_message(self, record, capped, recent):
+        """Most tokens' TIS weights at the cap: how many, this step's weights, and the policy lags the window saw."""
+        lags = [lag for r in recent for lag in r.get("batch_lags", [r.get("policy_lag", 0)])]
+        return (f"{mean(capped):.0%} of the tokens' TIS weights min(pi_old / pi_vLLM, --tis_cap {self.cfg.tis_cap:g}) "
+                f"sat at the cap over the last {len(capped)} steps (this step: mean "
+                f"{record.get('is_weight_mean', 0):.3g}, min {record.get('is_weight_min', 0):.3g}, max "
+                f"{record.get('is_weight_max', 0):.3g}; policy lag mean {mean(lags):.2g}, max {max(lags, default=0)}): "
+                "the policy that sampled is far from pi_old, the correction is mostly the cap itself, and the gradient "
+                "is biased where it binds. Lower --max_policy_lag, or --lr; at lag 0 or 1 the sampler itself differs "
+                "(see the mismatch rule, --dtype)")
 
     def entropy_message(self, start, now):
         return (f"policy entropy fell to {now:.3g} nats per token, {now / start:.0%} of its {start:.3g} over the "

@@ -91,7 +91,8 @@ class TrainerConfig(TaskConfig):
     preflight_n: int = flag(64, "problems the pre-flight probe samples")
     preflight_timeout: float = flag(1200.0, "seconds the pre-flight probe may take (vLLM's start-up and its "
                                             "sampling) before the run stops")
-    stop_on: str = flag("", "doctor rules that stop the run: no_signal, kl, entropy, truncated, mismatch, ratio")
+    stop_on: str = flag("", "doctor rules that stop the run: no_signal, kl, entropy, truncated, mismatch, ratio, "
+                                 "tis")
     doctor_window: int = flag(10, "batches in a row with no signal (no_signal); steps the other rules average")
     doctor_kl_max: float = flag(5.0, "kl: KL to the reference above this (the tiny demo peaks near 1.3)")
     doctor_kl_jump: float = flag(20.0, "kl: or above 1 and this many times its mean over the window before")
@@ -99,6 +100,8 @@ class TrainerConfig(TaskConfig):
     doctor_truncated_max: float = flag(0.5, "truncated: more than this share of completions cut off")
     doctor_gap_max: float = flag(0.1, "mismatch: vLLM vs trainer log-prob gap per token (bf16 SmolLM2: ~0.03)")
     doctor_ratio_band: float = flag(0.1, "ratio: the window's mean importance ratio further than this from 1")
+    doctor_tis_capped_max: float = flag(0.5, "tis: the window's mean share of tokens whose TIS weight is at "
+                                             "--tis_cap above this (the weights collapse)")
 
 
 def check_options(cfg):
