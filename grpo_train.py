@@ -5,13 +5,11 @@ grpo_math.py (the math) and ref_server.py (the reference); grpo_vllm_one.py is i
     python grpo_train.py            # make demo TRAINER=grpo_train: the tiny model and the toy task, on CPU
     python grpo_train.py --beta 0   # no KL term: no reference server at all
     python ref_server.py --model Qwen/Qwen2.5-0.5B --device cuda:0 &
-    deepspeed --num_gpus 1 grpo_train.py --model Qwen/Qwen2.5-0.5B --dataset openai/gsm8k \
-        --dataset_config main
+    deepspeed --num_gpus 1 grpo_train.py --model Qwen/Qwen2.5-0.5B --dtype bfloat16
 
-`# GRPO n.` marks the algorithm, the rest is plumbing. LoRA, resume, several ranks, the loss variants and the
-run doctor are the full trainer's: python -m simple_grpo.train --help. Q problems, G completions each, B=Q*G.
+`# GRPO n.` marks the algorithm, the rest is plumbing. Hub datasets, LoRA, resume, several ranks and the loss
+variants are the full trainer's: python -m simple_grpo.train --help. Q problems, G completions each, B = Q*G.
 """
-import argparse
 import json
 import os
 import random
@@ -20,13 +18,14 @@ import shutil
 import sys
 import time
 import uuid
+from argparse import RawDescriptionHelpFormatter
 from dataclasses import asdict, dataclass, field
 
 import requests
 import torch
 from safetensors.torch import load as load_message, save as save_message
 from tqdm import tqdm
-from transformers import AutoTokenizer, GenerationConfig, HfArgumentParser
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser
 
 from grpo_math import (completion_logps, completion_mask, group_advantages, groups_with_signal, grpo_loss,
                        is_truncated)
@@ -39,8 +38,7 @@ def flag(default, help):
 @dataclass
 class Config:
     model: str = flag("models/tiny-math", "the policy's starting point: an HF model directory or hub name")
-    dataset: str = flag("data/toy_math/train.jsonl", "problems: .jsonl, or a hub dataset (openai/gsm8k)")
-    dataset_config: str = flag("", "a hub dataset's config (main for openai/gsm8k)")
+    dataset: str = flag("data/toy_math/train.jsonl", "problems: a .jsonl file of GSM8K's question and answer")
     steps: int = flag(200, "training steps: a batch of groups and one optimizer step each")
     batch_prompts: int = flag(8, "problems sampled per step: Q")
     num_generations: int = flag(8, "completions per problem: the group size G")
@@ -63,9 +61,24 @@ class Config:
     log_completions_every: int = flag(10, "every N steps, one group's completions to completions.jsonl")
     seed: int = flag(0, "seed of the problem draws, the sampling and the trainer")
     threads: int = flag(2, "the trainer's CPU threads")
-    ref_timeout: float = flag(120.0, "seconds to wait for room in the ref server's queue, or a group back")
-    peer_timeout: float = flag(30.0, "seconds the ref server may not answer before the run stops")
+    ref_timeout: float = flag(120.0, "seconds to wait for a group back from the ref server")
+    peer_timeout: float = flag(30.0, "seconds the ref server may take to answer before the run stops")
     local_rank: int = flag(-1, "set by the deepspeed launcher")
+
+
+def parse_flags(args=None):
+    args = sys.argv[1:] if args is None else args
+    parser = HfArgumentParser(Config, description=__doc__, formatter_class=RawDescriptionHelpFormatter)
+    cfg, unknown = parser.parse_args_into_dataclasses(args=args, return_remaining_strings=True)
+    if unknown:
+        raise SystemExit(f"grpo_train.py has no {' '.join(unknown)}: every feature beyond its step is the"
+                         f" full trainer's: python -m simple_grpo.train {' '.join(args)}")
+    for name, allowed in {"zero_stage": (0, 1, 2), "dtype": ("float32", "bfloat16")}.items():
+        if (value := getattr(cfg, name)) not in allowed:
+            raise SystemExit(f"--{name} {value}: grpo_train.py takes {allowed} (the full trainer: more)")
+    tiny = os.path.realpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "tiny-math"))
+    cfg.lr = cfg.lr or (1e-4 if os.path.realpath(cfg.model) == tiny else 1e-6)
+    return cfg
 
 
 def deepspeed_config(cfg):
@@ -86,15 +99,11 @@ SYSTEM_PROMPT = ("A conversation between User and Assistant. The user asks a que
 
 
 def load_problems(cfg):
-    """[{"question", "answer"}] in GSM8K's format (the answer ends "#### N"): a .jsonl file, or the hub's."""
+    """[{"question", "answer"}] from the .jsonl file; each answer ends "#### N", as GSM8K's do."""
     try:
-        if cfg.dataset.endswith(".jsonl"):
-            with open(cfg.dataset, encoding="utf-8") as f:
-                rows = [json.loads(line) for line in f if line.strip()]
-        else:
-            import datasets
-            rows = list(datasets.load_dataset(cfg.dataset, cfg.dataset_config or None, split="train"))
-        problems = [{"question": row["question"], "answer": row["answer"]} for row in rows]
+        with open(cfg.dataset, encoding="utf-8") as f:
+            problems = [{"question": row["question"], "answer": row["answer"]}
+                        for row in map(json.loads, filter(str.strip, f))]
     except (OSError, ValueError, KeyError, TypeError) as e:  # no such file, not JSON, no such field
         raise SystemExit(f"--dataset {cfg.dataset}: {type(e).__name__} {str(e)[:200]}") from None
     if bad := [i for i, p in enumerate(problems, 1) if "####" not in str(p["answer"])]:
@@ -103,15 +112,12 @@ def load_problems(cfg):
 
 
 def make_prompt(tokenizer, question):
-    """The model's chat template with the system prompt, the assistant's turn opened."""
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def stop_token_ids(tokenizer, model):
-    """The one stop set, generate's and the masks': EOS, the chat template's turn end, the generation
-    config's."""
-    from transformers import AutoConfig
+    """The one stop set, generate's and the masks': EOS, the chat template's turn end, generation_config's."""
     try:
         eos = GenerationConfig.from_pretrained(model).eos_token_id
     except OSError:  # no generation_config.json: config.json's
@@ -142,36 +148,28 @@ def score(completion, answer):
 
 # ---------------------------------------------------------------------------- the ref server's client
 def ref_request(cfg, method, path, **kw):
-    """One HTTP call to the ref server, tried again while it does not answer, for --peer_timeout seconds."""
+    """One HTTP call to the ref server; one it does not answer in --peer_timeout seconds stops the run."""
     token = cfg.ref_token or os.environ.get("SIMPLE_GRPO_TOKEN", "")
-    headers, first_failure = ({"Authorization": f"Bearer {token}"} if token else {}), time.time()
-    while True:
-        try:
-            r = requests.request(method, cfg.ref_url + path, headers=headers, timeout=cfg.peer_timeout, **kw)
-            if r.status_code not in (200, 204, 503):  # 204: nothing finished yet; 503: its queue is full
-                raise SystemExit(f"ref server at {cfg.ref_url}{path}: HTTP {r.status_code} {r.text[:200]}")
-            return r
-        except requests.RequestException as e:
-            if time.time() - first_failure > cfg.peer_timeout:
-                raise SystemExit(f"ref server at {cfg.ref_url} has not answered for {cfg.peer_timeout:.0f} s "
-                                 f"({type(e).__name__}): is `python ref_server.py` running?") from None
-            time.sleep(1.0)
+    try:
+        r = requests.request(method, cfg.ref_url + path, timeout=cfg.peer_timeout,
+                             headers={"Authorization": f"Bearer {token}"} if token else {}, **kw)
+    except requests.RequestException as e:
+        raise SystemExit(f"ref server at {cfg.ref_url} has not answered ({type(e).__name__}): is `python"
+                         " ref_server.py` running?") from None
+    if r.status_code not in (200, 204):  # 204: no group finished yet
+        raise SystemExit(f"ref server at {cfg.ref_url}{path}: HTTP {r.status_code} {r.text[:200]}")
+    return r
 
 
 def post_group(cfg, tensors, meta):
     """A group to the ref server: safetensors bytes, the meta JSON in their header (nothing is unpickled)."""
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
-    body = save_message(tensors, {"json": json.dumps({"version": 2, **meta})})  # version 2 of the format
-    deadline = time.time() + cfg.ref_timeout
-    while ref_request(cfg, "POST", "/upload", data=body).status_code == 503:
-        if time.time() > deadline:
-            raise SystemExit(f"ref server at {cfg.ref_url} stayed full for {cfg.ref_timeout:.0f} s")
-        time.sleep(0.1)
+    body = save_message({k: v.contiguous() for k, v in tensors.items()},
+                        {"json": json.dumps({"version": 2, **meta})})  # version 2 of the format
+    ref_request(cfg, "POST", "/upload", data=body)
 
 
 def take_group(cfg, run_id, deadline_s):
-    """This run's oldest finished group from the ref server, (tensors, meta), with ref_logps (G, C) added.
-    Stops the run if none comes in deadline_s seconds."""
+    """This run's oldest finished group, (tensors, meta), with ref_logps (G, C) added, within deadline_s."""
     start = time.time()
     while (r := ref_request(cfg, "GET", "/get", params={"run_id": run_id, "wait": 2})).status_code != 200:
         if time.time() - start > deadline_s:
@@ -182,17 +180,14 @@ def take_group(cfg, run_id, deadline_s):
 
 # ---------------------------------------------------------------------------- sampling and the update
 def generate(model, tokenizer, prompts, cfg, stop_ids):
-    """G completions per prompt from softmax(logits / T), each to its first stop token: generate's other
-    settings come from a blank GenerationConfig, not the model's (no top-k, top-p or penalty). Returns
-    prompt_ids and prompt_mask (Q, P), left-padded, and completion_ids (B, C), right-padded."""
+    """G completions per prompt from softmax(logits / T) (a blank GenerationConfig: no top-k, top-p or penalty
+    of the model's), each to its first stop token: prompt_ids, prompt_mask (Q, P), completion_ids (B, C)."""
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left",
                     add_special_tokens=False).to(model.device)
     ids, mask, G = enc["input_ids"], enc["attention_mask"], cfg.num_generations
     model.eval()  # sampling draws from the policy as it is: no dropout
     own_config, model.generation_config = model.generation_config, GenerationConfig()
-    with torch.no_grad():
-        # each prompt runs once (all but its last token, which generate feeds itself), and generate gets G
-        # copies of its keys and values, one per completion
+    with torch.no_grad():  # each prompt runs once (but its last token); generate gets G copies of its cache
         positions = (mask[:, :-1].cumsum(1) - 1).clamp(min=0)  # count real tokens only, as generation does
         cache = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions,
                       use_cache=True, logits_to_keep=1).past_key_values
@@ -208,9 +203,8 @@ def generate(model, tokenizer, prompts, cfg, stop_ids):
 
 
 def grpo_step(engine, batch, loss_mask, cfg):
-    """The policy's log-probs, the loss, one optimizer step. pi_old is the policy's own log-probs,
-    detached (it sampled them: the ratio is 1, only its gradient counts). Returns the figures, the log-probs
-    (B, C)."""
+    """The policy's log-probs, the loss, one optimizer step. pi_old is the policy's own log-probs, detached
+    (it sampled them: the ratio is 1, only its gradient counts). Returns the figures, the log-probs (B, C)."""
     logps, entropy = completion_logps(engine, batch["prompt_ids"], batch["prompt_mask"],
                                       batch["completion_ids"], cfg.temperature)  # (B, C) each
     # grpo_loss's default denominator: each sequence's token mean, then the mean over the batch's sequences
@@ -218,49 +212,25 @@ def grpo_step(engine, batch, loss_mask, cfg):
                             beta=cfg.beta, epsilon=cfg.epsilon)
     engine.backward(loss)
     grads = [p.grad.norm() for p in engine.module.parameters() if p.grad is not None]  # ZeRO 0: whole here
-    grad_norm = torch.stack(grads).norm().item() if grads else None
     engine.step()  # clip the gradients, one AdamW step, zero them
-    grad_norm = grad_norm if grad_norm is not None else float(engine.get_global_grad_norm())  # ZeRO 1-2
-    tokens = loss_mask.sum().clamp(min=1).item()
-    return {"loss": loss.item(), **stats, "entropy": (entropy * loss_mask).sum().item() / tokens,
-            "grad_norm": grad_norm}, logps.detach()
-
-
-def parse_flags(args=None):
-    parser = HfArgumentParser(Config, description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    cfg, unknown = parser.parse_args_into_dataclasses(args=args, return_remaining_strings=True)
-    if unknown:
-        given = " ".join(sys.argv[1:] if args is None else args)
-        raise SystemExit(f"grpo_train.py has no {' '.join(unknown)}: every feature beyond its step is the"
-                         f" full trainer's: python -m simple_grpo.train {given}")
-    for name, allowed in {"zero_stage": (0, 1, 2), "dtype": ("float32", "bfloat16")}.items():
-        if getattr(cfg, name) not in allowed:
-            raise SystemExit(f"--{name} {getattr(cfg, name)}: grpo_train.py takes {allowed} (the full"
-                             " trainer: more)")
-    tiny = os.path.realpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "tiny-math"))
-    cfg.lr = cfg.lr or (1e-4 if os.path.realpath(cfg.model) == tiny else 1e-6)
-    return cfg
+    grad_norm = torch.stack(grads).norm() if grads else engine.get_global_grad_norm()  # ZeRO 1-2: DeepSpeed's
+    entropy = (entropy * loss_mask).sum().item() / loss_mask.sum().clamp(min=1).item()
+    return {"loss": loss.item(), **stats, "entropy": entropy, "grad_norm": float(grad_norm)}, logps.detach()
 
 
 def main(cfg):
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": "0"}.items():  # plain `python grpo_train.py`: a job of one process
-        os.environ.setdefault(key, value)
-    if (world := int(os.environ["WORLD_SIZE"])) > 1:
-        raise SystemExit(f"{world} ranks: grpo_train.py runs one process; several are the full trainer's:"
-                         f" deepspeed --num_gpus {world} --module simple_grpo.train (or python -m"
-                         " simple_grpo.train)")
+    if (world := int(os.environ.get("WORLD_SIZE", "1"))) > 1:
+        raise SystemExit(f"{world} ranks: grpo_train.py runs one, python -m simple_grpo.train several:"
+                         f" deepspeed --num_gpus {world} --module simple_grpo.train")
+    for k, v in dict(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=0).items():
+        os.environ.setdefault(k, str(v))  # plain `python grpo_train.py`: a job of one process
     run_dir = os.path.join(os.environ.get("SIMPLE_GRPO_RUNS", "runs"), cfg.run_name)
     if os.path.isdir(run_dir) and os.listdir(run_dir) and not cfg.overwrite:
-        raise SystemExit(f"{run_dir}/ holds an earlier run: --overwrite replaces it, or choose another"
-                         " --run_name (to continue it, --resume, is the full trainer's)")
+        raise SystemExit(f"{run_dir}/ holds an earlier run: --overwrite replaces it (--resume: the full one)")
     problems = load_problems(cfg)  # a bad data file stops here, before anything starts; and a ref server
     ref_dtype = ref_request(cfg, "GET", "/health").json()["dtype"] if cfg.beta != 0 else None  # not up
     import deepspeed
-    from transformers import AutoModelForCausalLM
     torch.set_num_threads(cfg.threads)
-    random.seed(cfg.seed), torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, cfg.dtype))
     if cfg.gradient_checkpointing:
@@ -268,7 +238,7 @@ def main(cfg):
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=deepspeed_config(cfg))
     engine.train()
-    torch.manual_seed(cfg.seed)  # the sampling's draws
+    torch.manual_seed(cfg.seed)  # the sampling's draws (and dropout's, for a model that has it)
     rng, run_id, G = random.Random(cfg.seed), uuid.uuid4().hex, cfg.num_generations  # rng: the problem draws
     stop_ids, pad_id = stop_token_ids(tokenizer, cfg.model), tokenizer.pad_token_id
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -285,7 +255,6 @@ def main(cfg):
         texts = tokenizer.batch_decode(completion_ids.masked_fill(until_stop == 0, pad_id),
                                        skip_special_tokens=True)
         gen_s, lengths = time.time() - t0, until_stop.sum(1)  # lengths (B,)
-
         # GRPO 2. score them; each one's advantage within its group; drop the groups whose rewards all agree
         scores = [score(text, problems_now[i // G]["answer"]) for i, text in enumerate(texts)]
         rewards = torch.tensor([s["reward"] for s in scores])             # (B,)
@@ -307,14 +276,12 @@ def main(cfg):
             # GRPO 3. the reference's log-probs of the kept groups: each to the ref server, and back with them
             meta = {"run_id": run_id, "policy_version": step - 1, "temperature": cfg.temperature}
             for q in kept:  # the prompt without its padding, the completions cut after the group's longest
-                group_rows = slice(q * G, (q + 1) * G)
-                group = {"prompt_ids": prompt_ids[q][prompt_mask[q].bool()],
-                         "completion_ids": completion_ids[group_rows, :int(lengths[group_rows].max())]}
-                post_group(cfg, group, meta)
-            batch["ref_logps"] = torch.zeros(loss_mask.shape)  # (B_kept, C), 0 past each group's longest
-            for i in range(len(kept)):  # in the order they were posted
-                ref_logps = take_group(cfg, run_id, cfg.ref_timeout)[0]["ref_logps"]  # (G, C_q)
-                batch["ref_logps"][i * G:(i + 1) * G, :ref_logps.size(1)] = ref_logps
+                C_q = int(lengths[q * G:(q + 1) * G].max())
+                post_group(cfg, {"prompt_ids": prompt_ids[q][prompt_mask[q].bool()],
+                                 "completion_ids": completion_ids[q * G:(q + 1) * G, :C_q]}, meta)
+            C = completion_ids.size(1)  # each group's ref_logps (G, C_q), in the order posted, 0 after C_q
+            groups = [take_group(cfg, run_id, cfg.ref_timeout)[0]["ref_logps"] for _ in kept]
+            batch["ref_logps"] = torch.cat([torch.nn.functional.pad(r, (0, C - r.size(1))) for r in groups])
         t2 = time.time()
         if kept:
             # GRPO 4. the loss on the policy's log-probs, one optimizer step (grpo_step, above)
@@ -325,22 +292,16 @@ def main(cfg):
                 if gap > (1e-3 if cfg.dtype == ref_dtype == "float32" else 0.05):
                     raise SystemExit(f"the ref server's log-probs are {gap:.3g} a token from ours: it serves"
                                      f" another model than {cfg.model} (ref_server.py --model {cfg.model}?)")
-
         record.update(ref_s=t2 - t1, compute_s=time.time() - t2, step_s=time.time() - t0)
+        record = {k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in record.items()}  # 6 digits
         with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps({k: float(f"{v:.6g}") if isinstance(v, float) else v
-                                for k, v in record.items()}) + "\n")
+            print(json.dumps(record), file=f)
         if kept and cfg.log_completions_every and step % cfg.log_completions_every == 0:  # 1st kept group
-            prompt = tokenizer.decode(prompt_ids[kept[0]][prompt_mask[kept[0]].bool()])
             with open(os.path.join(run_dir, "completions.jsonl"), "a") as f:
                 for i in range(kept[0] * G, (kept[0] + 1) * G):
-                    completion = tokenizer.decode(completion_ids[i, :int(lengths[i])],
-                                                  skip_special_tokens=True)
-                    f.write(json.dumps({"step": step, "prompt": prompt, "completion": completion,
-                                        "reward": rewards[i].item(), "advantage": advantages[i].item()})
-                            + "\n")
-        bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['accuracy']:.2f}",
-                        kl="-" if record["kl"] is None else f"{record['kl']:.3f}")
+                    print(json.dumps(dict(step=step, prompt=prompts[kept[0]], completion=texts[i],
+                                          reward=rewards[i].item(), advantage=advantages[i].item())), file=f)
+        bar.set_postfix(reward=record["reward_mean"], acc=record["accuracy"], kl=record["kl"])
         if step % cfg.save_every == 0 or step == cfg.steps:  # ZeRO 0-2: the weights are whole here
             engine.module.save_pretrained(os.path.join(run_dir, f"step_{step}"))
             tokenizer.save_pretrained(os.path.join(run_dir, f"step_{step}"))
