@@ -1,14 +1,13 @@
 r"""grpo_train.py: the simplest GRPO trainer: one process, and the policy samples for itself. Read it with
 grpo_math.py (the math) and ref_server.py (the reference); grpo_vllm_one.py is its step with vLLM sampling.
+`# GRPO n.` marks the algorithm, the rest is plumbing. Hub datasets, LoRA, resume, several ranks and the loss
+variants are the full trainer's: python -m simple_grpo.train --help. Q problems, G completions each, B = Q*G.
 
     python ref_server.py &          # the frozen reference model (the tiny default), on 127.0.0.1
     python grpo_train.py            # make demo TRAINER=grpo_train: the tiny model and the toy task, on CPU
     python grpo_train.py --beta 0   # no KL term: no reference server at all
     python ref_server.py --model Qwen/Qwen2.5-0.5B --device cuda:0 &
     deepspeed --num_gpus 1 grpo_train.py --model Qwen/Qwen2.5-0.5B --dtype bfloat16
-
-`# GRPO n.` marks the algorithm, the rest is plumbing. Hub datasets, LoRA, resume, several ranks and the loss
-variants are the full trainer's: python -m simple_grpo.train --help. Q problems, G completions each, B = Q*G.
 """
 import json
 import os
@@ -67,12 +66,11 @@ class Config:
 
 
 def parse_flags(args=None):
-    args = sys.argv[1:] if args is None else args
     parser = HfArgumentParser(Config, description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     cfg, unknown = parser.parse_args_into_dataclasses(args=args, return_remaining_strings=True)
     if unknown:
         raise SystemExit(f"grpo_train.py has no {' '.join(unknown)}: every feature beyond its step is the"
-                         f" full trainer's: python -m simple_grpo.train {' '.join(args)}")
+                         f" full trainer's: python -m simple_grpo.train {' '.join(args or sys.argv[1:])}")
     for name, allowed in {"zero_stage": (0, 1, 2), "dtype": ("float32", "bfloat16")}.items():
         if (value := getattr(cfg, name)) not in allowed:
             raise SystemExit(f"--{name} {value}: grpo_train.py takes {allowed} (the full trainer: more)")
@@ -240,7 +238,7 @@ def main(cfg):
     engine.train()
     torch.manual_seed(cfg.seed)  # the sampling's draws (and dropout's, for a model that has it)
     rng, run_id, G = random.Random(cfg.seed), uuid.uuid4().hex, cfg.num_generations  # rng: the problem draws
-    stop_ids, pad_id = stop_token_ids(tokenizer, cfg.model), tokenizer.pad_token_id
+    stop_ids = stop_token_ids(tokenizer, cfg.model)
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
     with open(os.path.join(run_dir, "config.json"), "w") as f:
@@ -252,8 +250,7 @@ def main(cfg):
         prompts = [make_prompt(tokenizer, p["question"]) for p in problems_now]
         prompt_ids, prompt_mask, completion_ids = generate(engine.module, tokenizer, prompts, cfg, stop_ids)
         until_stop = completion_mask(completion_ids, stop_ids)  # (B, C) 1 up to and with the stop token
-        texts = tokenizer.batch_decode(completion_ids.masked_fill(until_stop == 0, pad_id),
-                                       skip_special_tokens=True)
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)  # generate pads after a stop
         gen_s, lengths = time.time() - t0, until_stop.sum(1)  # lengths (B,)
         # GRPO 2. score them; each one's advantage within its group; drop the groups whose rewards all agree
         scores = [score(text, problems_now[i // G]["answer"]) for i, text in enumerate(texts)]
