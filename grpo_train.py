@@ -224,9 +224,9 @@ def main(cfg):
         os.environ.setdefault(k, str(v))  # plain `python grpo_train.py`: a job of one process
     run_dir = os.path.join(os.environ.get("SIMPLE_GRPO_RUNS", "runs"), cfg.run_name)
     if os.path.isdir(run_dir) and os.listdir(run_dir) and not cfg.overwrite:
-        raise SystemExit(f"{run_dir}/ holds an earlier run: --overwrite replaces it (--resume: the full one)")
-    problems = load_problems(cfg)  # a bad data file stops here, before anything starts; and a ref server
-    ref_dtype = ref_request(cfg, "GET", "/health").json()["dtype"] if cfg.beta != 0 else None  # not up
+        raise SystemExit(f"{run_dir}/ holds a run: --overwrite replaces it (--resume: the full trainer's)")
+    problems = load_problems(cfg)  # a bad data file, or a ref server that does not answer, stops the run here
+    ref_dtype = ref_request(cfg, "GET", "/health").json()["dtype"] if cfg.beta != 0 else None
     import deepspeed
     torch.set_num_threads(cfg.threads)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
