@@ -10,10 +10,10 @@ better-than-average ones (Shao et al. 2024, DeepSeekMath):
     KL_t     = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                     k3 estimator, >= 0
     loss     = mean over sequences of [ mean over completion tokens of (L_clip_t + beta * KL_t) ]
 
-old_logp is pi_old, the trainer's own log-probs before the step: ratio_t is 1, only its gradient counts.
-grpo_objective is that loss in a dozen lines, for reading; grpo_loss computes the same number, with the
-variants of later papers as options (named as in TRL's GRPOConfig). Shapes: Q prompts, G completions each,
-B = Q*G rows (a prompt's G one after another), P prompt tokens, C completion tokens, V the vocabulary.
+old_logp is pi_old, the trainer's own log-probs before the step (ratio_t is 1: only its gradient counts).
+grpo_objective is that loss in a dozen lines; grpo_loss is the same number, with later papers' variants as
+options (TRL's names). Shapes: Q prompts, G completions each, B = Q*G rows, P and C prompt and completion
+tokens, V the vocabulary.
 """
 import torch
 
@@ -224,15 +224,14 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, loss_mask, *, beta=0.04, 
     logps, old_logps = logps.masked_fill(~keep, 0.0), old_logps.masked_fill(~keep, 0.0)
     ref_logps = ref_logps.masked_fill(~keep, 0.0) if ref_logps is not None else None
     sampler_logps = sampler_logps.masked_fill(~keep, 0.0) if sampler_logps is not None else None
-    options = {"loss_type": loss_type, "importance_sampling_level": importance_sampling_level,
-               "kl_estimator": kl_estimator}
     if impl == "triton" and loss_type != "cispo" and importance_sampling_level == "token" and kl_estimator == "k3":
         from triton_loss import per_token_loss_triton
         per_token, ratio, kl = per_token_loss_triton(logps, old_logps, ref_logps, advantages, beta, epsilon,
                                                      epsilon_high)
     else:
-        per_token, ratio, kl = per_token_loss(logps, old_logps, ref_logps, advantages, beta, epsilon,
-                                              epsilon_high, loss_mask=loss_mask, **options)
+        per_token, ratio, kl = per_token_loss(logps, old_logps, ref_logps, advantages, beta, epsilon, epsilon_high,
+                                              loss_mask=loss_mask, loss_type=loss_type, kl_estimator=kl_estimator,
+                                              importance_sampling_level=importance_sampling_level)
     if sampler_logps is not None:
         is_weight = capped_is_weight(old_logps, sampler_logps, tis_cap)
         per_token = is_weight * (per_token - beta * kl) + beta * kl  # the KL term is the trainer's own

@@ -21,7 +21,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from unittest import mock
 
 import requests
@@ -257,7 +257,7 @@ def gen_worker(cfg, run_id, world, shared_gpu, weights_queue):
                    "truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
                    "zero_var_frac": 1 - has_signal.float().mean().item(), "gen_s": gen_s}
         meta = {"policy_version": version, "temperature": cfg.temperature, "groups_in_batch": len(kept),
-                "rollout_figures": figures, "run_id": f"{run_id}-{batch_index % world}"}  # the rank's queue
+                "rollout_figures": figures, "stop_ids": stop_ids, "run_id": f"{run_id}-{batch_index % world}"}
         for q in kept:  # each to the ref server, which adds ref_logps (G, C_q)
             rows, C_q = slice(q * G, (q + 1) * G), int(lengths[q * G:(q + 1) * G].max())
             group = {"prompt_ids": torch.tensor(outputs[q].prompt_token_ids), "rewards": rewards[rows],
@@ -366,10 +366,11 @@ def main(cfg):
     dist.broadcast_object_list(run_id, src=0)
     worker, weights_queue = start_gen_worker(cfg, run_id[0], world) if rank == 0 else (None, None)
     stream = f"{run_id[0]}-{rank}"  # the ref server's queue of this rank's groups
-    stop_ids = stop_token_ids(tokenizer, cfg.model)
     if rank == 0:
         shutil.rmtree(run_dir, ignore_errors=True)
         os.makedirs(run_dir)
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(asdict(cfg), f, indent=1)
     bar = tqdm(range(1, cfg.steps + 1), desc="grpo_vllm_one", disable=rank != 0)
     for step in bar:
         # GRPO 3. this rank's batch: the groups vLLM sampled, each with the ref server's ref_logps (G, C)
@@ -381,7 +382,7 @@ def main(cfg):
         batch = collate([group for group, _ in taken], tokenizer.pad_token_id)
         batch = {k: v.to(engine.device) for k, v in batch.items()}
         lengths = (batch["sampler_logps"] != NO_LOGP).sum(1)  # (B,) the tokens vLLM generated
-        loss_mask = completion_mask(batch["completion_ids"], stop_ids, lengths=lengths)  # (B, C)
+        loss_mask = completion_mask(batch["completion_ids"], meta["stop_ids"], lengths=lengths)  # (B, C)
 
         # GRPO 4. the loss on the policy's log-probs, one optimizer step (grpo_step, above)
         stats, logps = grpo_step(engine, batch, loss_mask, cfg)
@@ -394,8 +395,7 @@ def main(cfg):
 
         # GRPO 5. the new weights to vLLM, in memory: a copy, which torch's queue moves to shared memory
         if rank == 0 and step < cfg.steps:
-            weights = {name: w.to("cpu", copy=True) for name, w in engine.module.state_dict().items()}
-            weights_queue.put((step, weights))
+            weights_queue.put((step, {k: v.to("cpu", copy=True) for k, v in model.state_dict().items()}))
 
         record["step_s"] = time.time() - t0
         if rank == 0:
