@@ -1,27 +1,19 @@
-"""The GRPO math, written once: the lessons (grpo_train.py, grpo_vllm_one.py), ref_server.py and the full
-trainer (simple_grpo/) import it.
+"""The GRPO math, written once: grpo_train.py, grpo_vllm_one.py, ref_server.py and the full trainer import it.
 
-For each prompt we sample a group of G completions, score them, and push up the
-log-probability of the better-than-average ones (Shao et al. 2024, DeepSeekMath):
+For each prompt we sample a group of G completions, score them, and push up the log-probability of the
+better-than-average ones (Shao et al. 2024, DeepSeekMath):
 
     A_i      = (r_i - mean(r_group)) / (std(r_group) + eps)                   group-relative advantage
     ratio_t  = exp(logp_t - old_logp_t)                                        importance ratio per token
-    w_t      = min(exp(old_logp_t - vllm_logp_t), tis_cap)                   grpo_vllm_one.py: vLLM sampled
+    w_t      = min(exp(old_logp_t - vllm_logp_t), tis_cap)                     where vLLM sampled (TIS)
     L_clip_t = -w_t * min(ratio_t * A, clip(ratio_t, 1 - epsilon, 1 + epsilon_high) * A)
     KL_t     = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                     k3 estimator, >= 0
     loss     = mean over sequences of [ mean over completion tokens of (L_clip_t + beta * KL_t) ]
 
-old_logp is pi_old: the trainer's own log-probs before the step (so ratio_t is 1 in a step's first
-iteration, and only its gradient counts). In grpo_train.py that policy sampled, and w_t is 1. In
-grpo_vllm_one.py vLLM sampled, with weights one update older and other kernels; w_t, detached, corrects
-for that. (The full trainer: up to --max_policy_lag updates older; with --tis_cap 0 no w_t, and vLLM's
-log-probs are old_logp.)
-
-grpo_objective, first below, is that loss in a dozen lines, for reading. grpo_loss, last, computes the
-same number with the variants of the papers that followed as options (names as in TRL's GRPOConfig; each
-loss type divides by a count over the whole batch, where TRL's bnpo divides each micro-batch by its own).
-Shapes: Q prompts, G completions per prompt, B = Q*G rows (the G completions of a prompt one after
-another), P prompt tokens, C completion tokens, V the vocabulary.
+old_logp is pi_old, the trainer's own log-probs before the step (ratio_t is 1: only its gradient counts).
+grpo_objective is that loss in a dozen lines; grpo_loss is the same number, with later papers' variants as
+options (TRL's names). Shapes: Q prompts, G completions each, B = Q*G rows, P and C prompt and completion
+tokens, V the vocabulary.
 """
 import torch
 
@@ -48,13 +40,10 @@ def grpo_objective(logps, old_logps, ref_logps, rewards, loss_mask, G, sampler_l
 
 # ---------------------------------------------------------------------------- log-probs
 def completion_logps(model, prompt_ids, prompt_mask, completion_ids, temperature=1.0):
-    """log pi(token | the tokens before it) of each completion token, (B, C), and the entropy of each
-    position's distribution (a diagnostic: how sure the policy is), (B, C). prompt_ids (Q, P) left-padded with
-    prompt_mask; completion_ids (B, C) right-padded, the G completions of a prompt one after another.
-    Each prompt runs once and its KV cache is copied for its G completions, which then run on it: the numbers
-    of one forward over prompt + completion, for less work (with gradient checkpointing, which keeps no cache
-    in training, that one forward). Dividing by the sampling temperature makes these the log-probs of
-    softmax(logits / temperature), the distribution the samplers draw from (no top-k, top-p or penalty)."""
+    """log pi(token | the tokens before it) of each completion token, and each position's entropy (a
+    diagnostic), (B, C) each, under softmax(logits / temperature), the samplers' distribution. prompt_ids
+    (Q, P) left-padded with prompt_mask; completion_ids (B, C) right-padded. Each prompt runs once and its KV
+    cache serves its G completions (with gradient checkpointing, which keeps none, one forward over both)."""
     (Q, P), (B, C) = prompt_ids.shape, completion_ids.shape
     G = B // Q
     attention_mask = torch.cat([prompt_mask.repeat_interleave(G, 0), torch.ones_like(completion_ids)], 1)  # (B, P+C)
@@ -84,9 +73,8 @@ def completion_logps(model, prompt_ids, prompt_mask, completion_ids, temperature
 
 
 def stop_positions(completion_ids, stop_ids, lengths=None):
-    """Where each completion ends, (B,), and whether it ended at a stop token, (B,). lengths (B,): how many tokens
-    the sampler generated in each row (None: every position); a row ends at its first stop token, or without one at
-    its length: cut off at --max_new_tokens, or where the context (vLLM's --max_model_len) ran out."""
+    """Where each row ends, (B,): at its first stop token, or else at its last generated token (lengths (B,):
+    the tokens the sampler generated; None: every position); and whether it ended at a stop token, (B,)."""
     B, C = completion_ids.shape
     positions = torch.arange(C, device=completion_ids.device)[None, :]                      # (1, C)
     lengths = torch.full((B,), C, device=completion_ids.device) if lengths is None else lengths.to(completion_ids.device)
@@ -97,20 +85,15 @@ def stop_positions(completion_ids, stop_ids, lengths=None):
 
 
 def is_truncated(completion_ids, stop_ids, lengths=None):
-    """True for each completion cut off with no stop token, (B,) (lengths: see stop_positions)."""
+    """True for each row cut off with no stop token, (B,)."""
     return ~stop_positions(completion_ids, stop_ids, lengths)[1]
 
 
 # ---------------------------------------------------------------------------- masks and advantages
 def completion_mask(completion_ids, stop_ids, mask_truncated=False, lengths=None):
-    """1 for tokens up to and including the first stop token, 0 after it, (B, C).
-
-    stop_ids: the EOS id, or a list of ids that end a completion (stop_token_ids in
-    simple_grpo/task/problems.py: EOS and the chat template's turn end). By position, not by token
-    id: EOS itself is trained even when pad == eos. lengths (B,): the tokens the sampler generated in each
-    row; nothing past them is ever kept (vLLM's padding). A completion cut off without a stop token keeps all
-    its tokens, unless mask_truncated: then it is all 0 (DAPO: a cut-off answer was not judged on its
-    merits, so it should not be trained)."""
+    """1 for each token up to and including its row's first stop token, 0 after it and past lengths, (B, C).
+    By position, not token id: EOS is trained even when pad == EOS. A row cut off with no stop token keeps its
+    tokens, unless mask_truncated (DAPO: an answer cut off was not judged on its merits): then none."""
     last, stopped = stop_positions(completion_ids, stop_ids, lengths)
     mask = (torch.arange(completion_ids.size(1), device=completion_ids.device)[None, :] <= last[:, None]).float()
     return mask * stopped[:, None] if mask_truncated else mask
@@ -120,11 +103,9 @@ ADVANTAGE_ESTIMATORS = ("grpo", "raft")
 
 
 def group_advantages(rewards, group_size, *, scale_rewards="group", eps=1e-4, estimator="grpo", correct=None):
-    """A = r - mean_group, divided by a std: the group's ("group", GRPO), the whole batch's ("batch") or none
-    ("none", Dr. GRPO: dividing by a small std weights easy and hard questions up). rewards (B,), group after
-    group. eps: a group whose rewards are all equal gets A = 0 / (0 + eps) = 0, not NaN.
-    estimator "raft" (RAFT, Dong et al. 2023): A = 1 for each correct completion, 0 for the rest (correct (B,): 1
-    where a completion earned the correctness reward): supervised training on the model's own right answers."""
+    """A = r - mean_group over a std: the group's ("group", GRPO), the batch's ("batch") or none ("none",
+    Dr. GRPO). rewards (B,), group after group; equal rewards give A = 0 / (0 + eps) = 0. Estimator "raft"
+    (RAFT): A = 1 for each correct completion (correct (B,): 1 where correct), 0 for the rest."""
     r = rewards.view(-1, group_size)
     if estimator == "raft":
         if correct is None:
@@ -143,17 +124,14 @@ def group_advantages(rewards, group_size, *, scale_rewards="group", eps=1e-4, es
 
 
 def groups_with_signal(advantages, group_size):
-    """(Q,) True for a group with an advantage other than 0: one whose rewards differ (GRPO), or with a
-    correct completion (RAFT). The others add no policy gradient (with beta > 0 their KL term would still
-    pull towards the reference): the trainers drop them."""
+    """(Q,) True for a group with an advantage other than 0; the others add no policy gradient."""
     return (advantages.view(-1, group_size) != 0).any(1)
 
 
 # ---------------------------------------------------------------------------- the loss with all its options
 def kl_estimate(logps, ref_logps, estimator="k3"):
-    """Per-token estimates of KL(policy || ref) from samples of the policy (Schulman 2020), with
-    d = ref - logp:  k1 = -d (unbiased, can be negative);  k2 = d^2 / 2 (biased, low variance);
-    k3 = exp(d) - d - 1 (unbiased, >= 0). Each one's gradient differs: k3 is GRPO's choice."""
+    """Per-token estimates of KL(policy || ref) (Schulman 2020), d = ref - logp: k1 = -d, k2 = d^2 / 2,
+    k3 = exp(d) - d - 1 (unbiased and >= 0: GRPO's)."""
     d = ref_logps - logps
     if estimator == "k1":
         return -d
@@ -165,9 +143,8 @@ def kl_estimate(logps, ref_logps, estimator="k3"):
 
 
 def importance_ratio(logps, old_logps, loss_mask, level="token"):
-    """exp(logp - old_logp) per token (B, C), or, at level "sequence" (GSPO, Zheng et al. 2025),
-    exp(mean over the sequence's tokens of (logp - old_logp)) (B, 1): one length-normalised ratio
-    per sequence, so one odd token cannot swing its sequence's update."""
+    """exp(logp - old_logp) per token (B, C), or at level "sequence" (GSPO) one per row, (B, 1), from the mean
+    of logp - old_logp over its tokens."""
     log_ratio = logps - old_logps
     if level == "token":
         return torch.exp(log_ratio)
@@ -178,11 +155,9 @@ def importance_ratio(logps, old_logps, loss_mask, level="token"):
 
 def per_token_loss(logps, old_logps, ref_logps, advantages, beta, epsilon, epsilon_high, *, loss_mask=None,
                    loss_type="grpo", importance_sampling_level="token", kl_estimator="k3"):
-    """The policy-gradient term plus beta * KL, per token, with the ratio and the KL: (B, C) each.
-
-    Clipped surrogate:  -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A)
-    cispo (MiniMax-M1): -sg(min(ratio, 1 + epsilon_high)) * A * logp: the importance weight is
-                        capped and detached, so no token's gradient is ever clipped away."""
+    """The policy-gradient term plus beta * KL per token, the ratio and the KL, (B, C) each. The term is
+    -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A); cispo's (MiniMax-M1) is
+    -sg(min(ratio, 1 + epsilon_high)) * A * logp, so no token's gradient is clipped away."""
     A = advantages[:, None]
     if loss_mask is None:
         loss_mask = torch.ones_like(logps)
@@ -222,8 +197,8 @@ def loss_denominator(loss_mask, loss_type="grpo", max_completion_length=None):
 
 
 def aggregate(per_token, loss_mask, loss_type="grpo", max_completion_length=None, denominator=None):
-    """One number from the per-token losses: their sum (grpo: of each sequence's token mean) divided by
-    loss_denominator, or by `denominator`, the whole batch's, when this is a part of it."""
+    """The per-token losses' sum (grpo: of each row's token mean) over loss_denominator, or over
+    `denominator`, the whole batch's, where these rows are a part of it."""
     if denominator is None:  # the batch is whole here; one that keeps no token sums to 0 and divides by 1
         denominator = torch.as_tensor(loss_denominator(loss_mask, loss_type, max_completion_length)).clamp(min=1)
     if loss_type == "grpo":
@@ -232,39 +207,31 @@ def aggregate(per_token, loss_mask, loss_type="grpo", max_completion_length=None
 
 
 def capped_is_weight(old_logps, sampler_logps, cap):
-    """Capped importance sampling (TIS; verl's tis_imp_ratio_cap, TRL's vllm_importance_sampling_correction): a
-    fast sampler (vLLM: bf16 kernels, older weights) drew the tokens from pi_sampler, not pi_old. Each token's
-    policy-gradient term is weighted by min(pi_old / pi_sampler, cap), detached: bounded where the mismatch is
-    large, and unseen by the PPO clip, which sees pi / pi_old alone."""
+    """TIS: another sampler (vLLM: other kernels, older weights) drew the tokens, so each token's
+    policy-gradient term is weighted by min(pi_old / pi_sampler, cap), detached: the clip sees pi / pi_old."""
     return torch.exp(old_logps - sampler_logps).clamp(max=cap).detach()
 
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, loss_mask, *, beta=0.04, epsilon=0.2,
               epsilon_high=None, loss_type="grpo", importance_sampling_level="token", kl_estimator="k3",
               max_completion_length=None, impl="torch", sampler_logps=None, tis_cap=2.0, denominator=None):
-    """The GRPO loss and its diagnostics. Shapes: (B, C) except advantages (B,).
-
-    loss_mask (TRL's completion_mask) is 1 for the tokens the loss counts. old_logps are pi_old, the ratio's
-    base. ref_logps may be None when beta == 0. sampler_logps: the log-probs of another engine that sampled
-    (vLLM); then each token's policy-gradient term is weighted by capped_is_weight(old_logps, sampler_logps,
-    tis_cap). denominator: the whole batch's loss_denominator when these rows are a part of it (aggregate).
-    impl="triton": the clipped token-level k3 loss in one fused kernel (triton_loss/), the same numbers."""
+    """The GRPO loss and its diagnostics; inputs (B, C) but advantages (B,). loss_mask: 1 for the tokens the
+    loss counts; ref_logps may be None when beta == 0; sampler_logps: another sampler's (capped_is_weight);
+    denominator: see aggregate. impl="triton": the clipped token-level k3 loss in one fused kernel."""
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
-    # a masked position may hold anything (a padding token's log-prob can be -inf: k3's exp(ref - logp) is then
-    # inf, and inf x 0, the mask, NaN). Every input is 0 there, so no masked position reaches the loss or gradient
+    # a masked position may hold anything (-inf: inf x 0 is NaN), so every input is 0 there
     keep = loss_mask.bool()
     logps, old_logps = logps.masked_fill(~keep, 0.0), old_logps.masked_fill(~keep, 0.0)
     ref_logps = ref_logps.masked_fill(~keep, 0.0) if ref_logps is not None else None
     sampler_logps = sampler_logps.masked_fill(~keep, 0.0) if sampler_logps is not None else None
-    options = {"loss_type": loss_type, "importance_sampling_level": importance_sampling_level,
-               "kl_estimator": kl_estimator}
     if impl == "triton" and loss_type != "cispo" and importance_sampling_level == "token" and kl_estimator == "k3":
         from triton_loss import per_token_loss_triton
         per_token, ratio, kl = per_token_loss_triton(logps, old_logps, ref_logps, advantages, beta, epsilon,
                                                      epsilon_high)
     else:
-        per_token, ratio, kl = per_token_loss(logps, old_logps, ref_logps, advantages, beta, epsilon,
-                                              epsilon_high, loss_mask=loss_mask, **options)
+        per_token, ratio, kl = per_token_loss(logps, old_logps, ref_logps, advantages, beta, epsilon, epsilon_high,
+                                              loss_mask=loss_mask, loss_type=loss_type, kl_estimator=kl_estimator,
+                                              importance_sampling_level=importance_sampling_level)
     if sampler_logps is not None:
         is_weight = capped_is_weight(old_logps, sampler_logps, tis_cap)
         per_token = is_weight * (per_token - beta * kl) + beta * kl  # the KL term is the trainer's own
@@ -276,16 +243,15 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, loss_mask, *, beta=0.04, 
         def mean(x):  # over the tokens the loss counts
             return ((x * loss_mask).sum() / n).item()
 
-        # tokens whose gradient the clip removed, below 1 - epsilon (A < 0) and above 1 + epsilon_high (A > 0);
-        # cispo caps the weight of every token above 1 + epsilon_high, whatever its advantage
+        # tokens whose gradient the clip removed (cispo: every token above 1 + epsilon_high)
         high = ratio > 1 + epsilon_high
         clipped_low = (ratio < 1 - epsilon) & (A < 0) if loss_type != "cispo" else torch.zeros_like(high)
         clipped_high = high if loss_type == "cispo" else high & (A > 0)
         stats = {"kl": mean(kl), "clip_fraction": mean(clipped_low | clipped_high), "clip_low_frac": mean(clipped_low),
                  "clip_high_frac": mean(clipped_high), "ratio_mean": mean(ratio)}
-        if sampler_logps is not None:  # the gap itself: run/doctor.py's sampler_gap_details, over the whole batch
+        if sampler_logps is not None:
             stats.update(is_weight_mean=mean(is_weight), is_capped_frac=mean(is_weight >= tis_cap))  # TIS's names
-        if keep.any():  # the extremes of the tokens the loss counts; rows that keep none have none
+        if keep.any():  # the extremes over the tokens the loss counts
             stats.update(ratio_min=ratio[keep].min().item(), ratio_max=ratio[keep].max().item())
             if sampler_logps is not None:
                 stats.update(is_weight_min=is_weight[keep].min().item(), is_weight_max=is_weight[keep].max().item())

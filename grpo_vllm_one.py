@@ -1,47 +1,38 @@
 r"""grpo_vllm_one.py: GRPO with vLLM, the whole default step in one file. Read grpo_train.py first.
 
-    python ref_server.py &                  # the frozen reference model (the tiny default), on 127.0.0.1
-    python grpo_vllm_one.py --lr 1e-4       # make demo: the tiny model and the toy task, on this CPU
+    python ref_server.py & python grpo_vllm_one.py    # make demo: the tiny model and the toy task, on a CPU
     python ref_server.py --model Qwen/Qwen2.5-0.5B --device cuda:0 &
     deepspeed --include localhost:1 grpo_vllm_one.py --model Qwen/Qwen2.5-0.5B --dataset openai/gsm8k \
-        --dataset_config main --dtype bfloat16 --gen_device 2     # the trainer on GPU 1, vLLM on GPU 2
+        --dataset_config main --dtype bfloat16 --gen_device 2      # the trainer on GPU 1, vLLM on GPU 2
 
-Two processes. The generation process (gen_worker) runs vLLM: `# GRPO 1.` sample G completions per
-problem, `2.` score them, form advantages within each group and post the groups to the ref server (which adds
-the reference's log-probs). The trainer (main): `3.` take its batch back, `4.` the loss (grpo_math.py) and an
-optimizer step, `5.` the new weights to vLLM, in memory. While the trainer computes step s, vLLM samples the
-batch of step s+1 with the weights of step s-1, so each token's policy-gradient term is weighted by
-min(pi_old / pi_vLLM, --tis_cap). `# GRPO n.` marks the algorithm, the rest is plumbing. LoRA, resume, several
-vLLM workers, the loss variants, ZeRO-3 and the run doctor are the full trainer's, whose step is the same:
-`python -m simple_grpo.train --help`. Shapes: Q problems, G completions each, B = Q*G rows (a problem's G in a
-row), P prompt tokens, C completion tokens.
+Two processes, one step apart: while the trainer (main) computes step s, vLLM (gen_worker) samples step s+1's
+batch with step s-1's weights, so each token's policy-gradient term is weighted by min(pi_old / pi_vLLM,
+--tis_cap). `# GRPO n.` marks the algorithm, the rest is plumbing. LoRA, resume, several vLLM workers, the
+loss variants, ZeRO-3: the full trainer (python -m simple_grpo.train). Shapes: Q problems, G completions
+each, B = Q*G rows, P prompt and C completion tokens.
 """
 import argparse
+import ctypes
 import json
 import os
-import queue
 import random
 import re
 import shutil
 import signal
 import sys
-import threading
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 from unittest import mock
 
 import requests
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load as load_message, save as save_message
 from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
-from transformers import AutoTokenizer, HfArgumentParser
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser
 
-from grpo_math import (completion_logps, completion_mask, group_advantages, groups_with_signal, grpo_loss,
-                       is_truncated)
+from grpo_math import completion_logps, completion_mask, group_advantages, groups_with_signal, grpo_loss
 
 
 def flag(default, help):
@@ -81,9 +72,13 @@ class Config:
     seed: int = flag(0, "seed of the problem draws, the sampling and the trainer")
     threads: int = flag(1, "the trainer's CPU threads (vLLM's process is pinned to the last core)")
     startup_timeout: float = flag(1200.0, "seconds vLLM may take to start")
-    data_timeout: float = flag(600.0, "seconds to wait for a batch, or for new weights, once vLLM is up")
+    data_timeout: float = flag(600.0, "seconds to wait for a batch once vLLM is up")
     peer_timeout: float = flag(30.0, "seconds the ref server may not answer before the run stops")
     local_rank: int = flag(-1, "set by the deepspeed launcher")
+
+    def __post_init__(self):  # --lr 0: the default model's (this file's models/tiny-math) or another's
+        tiny = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "tiny-math")
+        self.lr = self.lr or (1e-4 if os.path.realpath(self.model) == os.path.realpath(tiny) else 1e-6)
 
 
 def deepspeed_config(cfg):
@@ -112,7 +107,7 @@ def load_problems(cfg):
                 rows = [json.loads(line) for line in f if line.strip()]
         else:
             import datasets
-            rows = list(datasets.load_dataset(cfg.dataset, cfg.dataset_config or None, split="train"))
+            rows = datasets.load_dataset(cfg.dataset, cfg.dataset_config or None, split="train")
         problems = [{"question": row["question"], "answer": row["answer"]} for row in rows]
     except (OSError, ValueError, KeyError, TypeError) as e:  # no such file, not JSON, no such field
         raise SystemExit(f"--dataset {cfg.dataset}: {type(e).__name__} {str(e)[:200]}") from None
@@ -129,7 +124,6 @@ def make_prompt(tokenizer, question):
 
 def stop_token_ids(tokenizer, model):
     """The one stop set, vLLM's and the masks': EOS, the chat template's turn end, the generation config's."""
-    from transformers import AutoConfig, GenerationConfig
     try:
         eos = GenerationConfig.from_pretrained(model).eos_token_id
     except OSError:  # no generation_config.json: config.json's
@@ -178,82 +172,64 @@ def ref_request(cfg, method, path, **kw):
 
 def post_group(cfg, tensors, meta):
     """A group to the ref server: safetensors bytes, the meta JSON in their header (nothing is unpickled)."""
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
-    body = save_message(tensors, {"json": json.dumps({"version": 2, **meta})})  # version 2 of the format
-    deadline = time.time() + cfg.data_timeout
-    while ref_request(cfg, "POST", "/upload", data=body).status_code == 503:
-        if time.time() > deadline:
+    header = {"json": json.dumps({"version": 2, **meta})}  # version 2 of the wire format
+    body, start = save_message({name: t.contiguous() for name, t in tensors.items()}, header), time.time()
+    while ref_request(cfg, "POST", "/upload", data=body).status_code == 503:  # 503: its queue is full
+        if time.time() - start > cfg.data_timeout:
             raise SystemExit(f"ref server at {cfg.ref_url} stayed full for {cfg.data_timeout:.0f} s")
         time.sleep(0.1)
 
 
 def take_group(cfg, run_id, deadline_s, worker):
-    """This run's oldest finished group from the ref server, (tensors, meta), with ref_logps (G, C) added.
-    Stops the run if none comes in deadline_s seconds, or if the generation process dies meanwhile."""
+    """This run's oldest finished group, (tensors, meta) with ref_logps (G, C) added. Stops the run if none
+    comes in deadline_s seconds, or if the generation process dies meanwhile."""
     start = time.time()
     while (r := ref_request(cfg, "GET", "/get", params={"run_id": run_id, "wait": 2})).status_code != 200:
-        check_alive(worker)
+        if worker is not None and not worker.is_alive():  # 204: none yet (the server waited 2 s for one)
+            raise SystemExit(f"the generation process (vLLM) died, exit code {worker.exitcode}: see its log")
         if time.time() - start > deadline_s:
-            raise SystemExit(f"no group came in {deadline_s:.0f} s: see the generation process's log (above)"
-                             " and the ref server's")
-    header = json.loads(r.content[8:8 + int.from_bytes(r.content[:8], "little")])
+            raise SystemExit(f"no group came in {deadline_s:.0f} s: see vLLM's log (above) and the server's")
+    header = json.loads(r.content[8:8 + int.from_bytes(r.content[:8], "little")])  # safetensors' own
     return load_message(r.content), json.loads(header["__metadata__"]["json"])
 
 
 # ---------------------------------------------------------------------------- the generation process
-def vllm_args(cfg, shared_gpu):
-    """vLLM's engine: log-probs after temperature, as the trainer computes them; no CUDA graphs on a CPU,
-    where VLLM_CPU_KVCACHE_SPACE (gen_worker: 1 GiB) sizes the KV cache."""
+def vllm_args(cfg, shared_gpu, stop_ids):
+    """vLLM's engine and sampling: G completions a prompt, each to its first stop token, log-probs at T."""
     on_gpu = torch.cuda.is_available()
-    return dict(model=cfg.model, dtype=cfg.dtype, seed=cfg.seed, tensor_parallel_size=1,
-                enforce_eager=not on_gpu, max_model_len=cfg.max_model_len,
-                gpu_memory_utilization=cfg.gen_memory or (0.9 if on_gpu and not shared_gpu else 0.3),
-                logprobs_mode="processed_logprobs", max_num_seqs=cfg.batch_prompts * cfg.num_generations,
-                **({} if on_gpu else {"block_size": 32}))  # on a CPU: G completions share whole KV blocks
+    engine = dict(model=cfg.model, dtype=cfg.dtype, seed=cfg.seed, tensor_parallel_size=1,
+                  enforce_eager=not on_gpu, max_model_len=cfg.max_model_len,
+                  gpu_memory_utilization=cfg.gen_memory or (0.9 if on_gpu and not shared_gpu else 0.3),
+                  logprobs_mode="processed_logprobs", max_num_seqs=cfg.batch_prompts * cfg.num_generations,
+                  **({} if on_gpu else {"block_size": 32}))  # on a CPU: G completions share whole KV blocks
+    sampling = dict(n=cfg.num_generations, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
+                    logprobs=0, stop_token_ids=stop_ids, detokenize=False,  # token ids, no text
+                    **({"min_tokens": cfg.min_new_tokens} if cfg.min_new_tokens else {}))
+    return engine, sampling
 
 
-def sampling_args(cfg, stop_ids):
-    """G completions a prompt, from softmax(logits / T), each to its first stop token, with log-probs."""
-    return dict(n=cfg.num_generations, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, logprobs=0,
-                stop_token_ids=stop_ids, detokenize=False,  # token ids, no text
-                **({"min_tokens": cfg.min_new_tokens} if cfg.min_new_tokens else {}))
-
-
-def exit_after(parent_pid):
-    """The generation process ends once the trainer has, even one killed with no time to clean up."""
-    while os.getppid() == parent_pid:
-        time.sleep(1)
-    os._exit(1)
-
-
-def gen_worker(cfg, run_id, n_ranks, cores, shared_gpu, channels):
-    """The generation process. Batch b (rank b % n_ranks trains it at step b // n_ranks + 1) is sampled with
-    the weights of step b // n_ranks - 1 (the first ones with the start's): one step ahead of the trainer."""
-    if cores:
-        os.sched_setaffinity(0, cores)
-    threading.Thread(target=exit_after, args=(os.getppid(),), daemon=True).start()
+def gen_worker(cfg, run_id, world, shared_gpu, weights_queue):
+    """The generation process. Batch b (rank b % world trains it at step b // world + 1) is sampled with the
+    weights of step b // world - 1 (at first, the start's): one step ahead of the trainer."""
+    if not torch.cuda.is_available():  # on a CPU: the last core, not the trainer's
+        os.sched_setaffinity(0, [max(os.sched_getaffinity(0))])
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: it dies with the trainer, however
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its weights are at hand
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from vllm import LLM, SamplingParams
-    llm = LLM(**vllm_args(cfg, shared_gpu))
-    channels["ready"].set()
-    tokenizer, problems, G = llm.get_tokenizer(), load_problems(cfg), cfg.num_generations
+    tokenizer, problems, G = AutoTokenizer.from_pretrained(cfg.model), load_problems(cfg), cfg.num_generations
     stop_ids, pad_id = stop_token_ids(tokenizer, cfg.model), tokenizer.pad_token_id
+    engine_args, sampling_args = vllm_args(cfg, shared_gpu, stop_ids)
+    llm, params = LLM(**engine_args), SamplingParams(**sampling_args)
     rng = random.Random(cfg.seed)  # the problem draws
-    params = SamplingParams(**sampling_args(cfg, stop_ids))
     version, batch_index = 0, 0  # vLLM holds the weights after step `version`; the batch it samples next
-    while not channels["stop"].is_set():
+    while True:
         # GRPO 5. (vLLM's half) before a batch, load the weights it samples with, from shared memory
-        if version < batch_index // n_ranks - 1:
-            try:
-                new_version, weights = channels["weights"].get(timeout=1.0)  # weights: the state dict
-            except queue.Empty:
-                continue  # the trainer's own deadline stops a run that waits too long
+        while version < batch_index // world - 1:
+            version, weights = weights_queue.get()  # the state dict after step `version`
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
             llm.reset_prefix_cache()  # it held the old weights' keys and values
-            version = channels["loaded"].value = new_version
-            continue
 
         # GRPO 1. sample G completions per problem, with their log-probs; each ends at its first stop token
         t0 = time.time()
@@ -264,10 +240,8 @@ def gen_worker(cfg, run_id, n_ranks, cores, shared_gpu, channels):
         completion_ids = pad_sequence([torch.tensor(c.token_ids) for c in completions], True, pad_id)  # (B,C)
         sampler_logps = pad_sequence([torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
                                       for c in completions], True, NO_LOGP)  # (B, C): log pi_vLLM
-        lengths = (sampler_logps != NO_LOGP).sum(1)  # (B,) tokens generated: the masks keep none after them
-        until_stop = completion_mask(completion_ids, stop_ids, lengths=lengths)  # (B, C) 1 up to the stop
-        texts = tokenizer.batch_decode(completion_ids.masked_fill(until_stop == 0, pad_id),
-                                       skip_special_tokens=True)
+        lengths = (sampler_logps != NO_LOGP).sum(1)  # (B,) tokens generated, the first stop token the last
+        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         gen_s = time.time() - t0
 
         # GRPO 2. score them; each one's advantage within its group; drop the groups whose rewards all agree
@@ -275,30 +249,27 @@ def gen_worker(cfg, run_id, n_ranks, cores, shared_gpu, channels):
         rewards = torch.tensor([s["reward"] for s in scores])             # (B,)
         advantages = group_advantages(rewards, G, eps=cfg.advantage_eps)  # (B,) (r - mean) / (std + eps)
         has_signal = groups_with_signal(advantages, G)                    # (Q,) some advantage is not 0
-        kept, lengths_to_stop = torch.nonzero(has_signal).flatten().tolist(), until_stop.sum(1)  # (B,)
+        kept = torch.nonzero(has_signal).flatten().tolist()               # the groups posted
         figures = {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
                    "accuracy": sum(s["correctness"] for s in scores) / len(scores),
                    "format_rate": sum(s["format"] for s in scores) / len(scores),
-                   "completion_len": lengths_to_stop.float().mean().item(),
-                   "truncated_frac": is_truncated(completion_ids, stop_ids, lengths).float().mean().item(),
+                   "completion_len": lengths.float().mean().item(),
+                   "truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
                    "zero_var_frac": 1 - has_signal.float().mean().item(), "gen_s": gen_s}
-        meta = {"run_id": run_id + (f"-{batch_index % n_ranks}" if n_ranks > 1 else ""), "worker": 0,
-                "policy_version": version, "temperature": cfg.temperature, "batch_index": batch_index,
-                "groups_in_batch": len(kept), "rollout_figures": figures}  # for the rank that trains it
+        meta = {"policy_version": version, "temperature": cfg.temperature, "groups_in_batch": len(kept),
+                "rollout_figures": figures, "stop_ids": stop_ids, "run_id": f"{run_id}-{batch_index % world}"}
         for q in kept:  # each to the ref server, which adds ref_logps (G, C_q)
-            rows, C_q = slice(q * G, (q + 1) * G), int(lengths_to_stop[q * G:(q + 1) * G].max())
+            rows, C_q = slice(q * G, (q + 1) * G), int(lengths[q * G:(q + 1) * G].max())
             group = {"prompt_ids": torch.tensor(outputs[q].prompt_token_ids), "rewards": rewards[rows],
                      "advantages": advantages[rows], "completion_ids": completion_ids[rows, :C_q],
                      "sampler_logps": sampler_logps[rows, :C_q]}
             post_group(cfg, group, meta)
         batch_index += bool(kept)  # none kept: new problems for the same batch
-    llm.llm_engine.engine_core.shutdown()
 
 
 def start_gen_worker(cfg, run_id, world):
-    """The generation process: on a GPU of its own (or the trainer's), or on the last CPU core. Returns it,
-    its channels, and whether it shares the trainer's GPU."""
-    ctx, cores, shared_gpu = mp.get_context("spawn"), None, False
+    """The generation process, a daemon (it ends with the trainer), on a GPU or the last CPU core."""
+    ctx, shared_gpu = torch.multiprocessing.get_context("spawn"), False
     env = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}  # idle threads sleep
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
@@ -307,33 +278,15 @@ def start_gen_worker(cfg, run_id, world):
         gpu = cfg.gen_device if cfg.gen_device >= 0 else max(trainer_gpus) + 1
         env.update(CUDA_VISIBLE_DEVICES=str(gpu), CUDA_DEVICE_ORDER="PCI_BUS_ID")
         shared_gpu = gpu in trainer_gpus
-        print(f"generation process: vLLM on GPU {gpu}, the trainer on GPU {trainer_gpus}")
     elif cfg.gen_device != -1 or cfg.gen_memory:
         raise SystemExit("--gen_device and --gen_memory place vLLM on a GPU, and this machine has none")
     else:
-        cores, env["OMP_NUM_THREADS"] = [sorted(os.sched_getaffinity(0))[-1]], "1"
-        print(f"generation process: vLLM on CPU core {cores[0]}")
-    channels = {"weights": ctx.Queue(), "loaded": ctx.Value("i", 0), "ready": ctx.Event(),
-                "stop": ctx.Event()}
-    worker = ctx.Process(target=gen_worker, args=(cfg, run_id, world, cores, shared_gpu, channels))
+        env["OMP_NUM_THREADS"] = "1"  # and the last core (gen_worker)
+    weights_queue = ctx.Queue()
+    worker = ctx.Process(target=gen_worker, args=(cfg, run_id, world, shared_gpu, weights_queue), daemon=True)
     with mock.patch.dict(os.environ, env):  # the new process starts with this environment
         worker.start()
-    return worker, channels, shared_gpu
-
-
-def check_alive(worker):
-    if worker is not None and not worker.is_alive():
-        raise SystemExit(f"the generation process (vLLM) died, exit code {worker.exitcode}: see its log")
-
-
-def wait_until(what, done, deadline_s, worker):
-    """Wait for done(); stop, naming what for, if the generation process dies or the deadline passes."""
-    start = time.time()
-    while not done():
-        check_alive(worker)
-        if time.time() - start > deadline_s:
-            raise SystemExit(f"waited {deadline_s:.0f} s for {what}: see the generation process's log above")
-        time.sleep(0.01)
+    return worker, weights_queue
 
 
 # ---------------------------------------------------------------------------- the trainer
@@ -350,9 +303,8 @@ def collate(groups, pad_id):
 
 
 def grpo_step(engine, batch, loss_mask, cfg):
-    """The policy's log-probs, the loss, one optimizer step. pi_old is the policy's own log-probs, detached
-    (the ratio is 1, only its gradient counts); vLLM's log-probs weight each token (TIS). Returns the whole
-    batch's figures, summed over the ranks, and the log-probs (B, C)."""
+    """The policy's log-probs, the loss (pi_old: those log-probs, detached; vLLM's weight each token), one
+    optimizer step. Returns the whole batch's figures, summed over the ranks, and the log-probs (B, C)."""
     logps, entropy = completion_logps(engine, batch["prompt_ids"], batch["prompt_mask"],
                                       batch["completion_ids"], cfg.temperature)  # (B, C) each
     # each rank divides by the whole batch's count (its sequences), summed over the ranks before any clamp,
@@ -365,138 +317,102 @@ def grpo_step(engine, batch, loss_mask, cfg):
                             beta=cfg.beta, epsilon=cfg.epsilon, sampler_logps=batch["sampler_logps"],
                             tis_cap=cfg.tis_cap, denominator=denominator, impl=cfg.loss_impl)
     engine.backward(loss)
-    grads = [p.grad.norm() for p in engine.module.parameters() if p.grad is not None]  # ZeRO 0: whole here
-    grad_norm = torch.stack(grads).norm().item() if grads else None
+    grads = [p.grad.norm() for p in engine.module.parameters() if p.grad is not None]  # ZeRO 0 (1-2: none)
     engine.step()  # clip the gradients, one AdamW step, zero them
+    grad_norm = torch.stack(grads).norm().item() if grads else float(engine.get_global_grad_norm())
     # the whole batch's loss and token means: this rank's shares, summed over the ranks
     sums = torch.tensor([loss.item() / world, stats["kl"] * n, stats["clip_fraction"] * n,
                          stats["is_weight_mean"] * n, (entropy * loss_mask).sum().item()],
                         dtype=torch.float64, device=engine.device)
     dist.all_reduce(sums)
     means = dict(zip(("kl", "clip_fraction", "is_weight_mean", "entropy"), (sums[1:] / tokens).tolist()))
-    grad_norm = grad_norm if grad_norm is not None else float(engine.get_global_grad_norm())  # ZeRO 1-2
     return {"loss": sums[0].item(), **means, "grad_norm": grad_norm}, logps.detach()
 
 
 def parse_flags():
-    parser = HfArgumentParser(Config, description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = HfArgumentParser(Config, description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     cfg, unknown = parser.parse_args_into_dataclasses(return_remaining_strings=True)
     if unknown:
         raise SystemExit(f"grpo_vllm_one.py (the lesson) has no {' '.join(unknown)}: every feature beyond its"
                          f" step is the full trainer's: python -m simple_grpo.train {' '.join(sys.argv[1:])}")
-    if cfg.tis_cap <= 0:
-        raise SystemExit(f"--tis_cap {cfg.tis_cap}: the lesson weights each token by min(pi_old / pi_vLLM,"
-                         " cap > 0); no weights, vLLM's log-probs as pi_old (--tis_cap 0): the full trainer")
     choices = {"zero_stage": (0, 1, 2), "dtype": ("float32", "bfloat16"), "loss_impl": ("torch", "triton")}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
-            raise SystemExit(f"--{name} {getattr(cfg, name)}: the lesson takes {allowed} (the full trainer:"
-                             " more)")
-    tiny = os.path.realpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "tiny-math"))
-    cfg.lr = cfg.lr or (1e-4 if os.path.realpath(cfg.model) == tiny else 1e-6)
+            raise SystemExit(f"--{name} {getattr(cfg, name)}: the lesson takes only {allowed}")
+    if cfg.tis_cap <= 0:  # each token's weight is min(pi_old / pi_vLLM, cap)
+        raise SystemExit(f"--tis_cap {cfg.tis_cap}: the lesson takes a cap > 0; no cap: the full trainer")
     return cfg
 
 
 def main(cfg):
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": "0"}.items():  # plain `python grpo_vllm_one.py`: a job of one process
-        os.environ.setdefault(key, value)
+    if "RANK" not in os.environ:  # plain `python grpo_vllm_one.py`: a job of one process
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     run_dir = os.path.join(os.environ.get("SIMPLE_GRPO_RUNS", "runs"), cfg.run_name)
     if rank == 0 and os.path.isdir(run_dir) and os.listdir(run_dir) and not cfg.overwrite:
-        raise SystemExit(f"{run_dir}/ holds an earlier run: --overwrite replaces it, or choose another"
-                         " --run_name (to continue it, --resume, is the full trainer's)")
+        raise SystemExit(f"{run_dir}/ holds an earlier run: --overwrite replaces it")
     load_problems(cfg)  # a bad data file stops here, before anything starts
     ref_dtype = ref_request(cfg, "GET", "/health").json()["dtype"]  # and a ref server that does not answer
-    run_id = uuid.uuid4().hex  # this run's groups in the ref server
-    worker, channels, shared_gpu = start_gen_worker(cfg, run_id, world) if rank == 0 else (None, None, False)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill` runs the clean-up below too
-    try:
-        if shared_gpu:  # vLLM sizes its cache from the GPU's free memory: it starts before the trainer loads
-            wait_until("vLLM to start", channels["ready"].is_set, cfg.startup_timeout, worker)
-        import deepspeed
-        from transformers import AutoModelForCausalLM
-        torch.set_num_threads(cfg.threads)
-        random.seed(cfg.seed), torch.manual_seed(cfg.seed)
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, cfg.dtype))
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=deepspeed_config(cfg))
-        engine.train()
-        run_ids = [run_id]
-        dist.broadcast_object_list(run_ids, src=0)  # every rank takes its batches under rank 0's run_id
-        stream = run_ids[0] + (f"-{rank}" if world > 1 else "")  # the ref server's queue of our groups
-        stop_ids, buffer = stop_token_ids(tokenizer, cfg.model), {}  # buffer: the weights in shared memory
-        if rank == 0:
-            shutil.rmtree(run_dir, ignore_errors=True)
-            os.makedirs(run_dir)
-            with open(os.path.join(run_dir, "config.json"), "w") as f:
-                json.dump(asdict(cfg), f, indent=1)
-        bar = tqdm(range(1, cfg.steps + 1), desc="grpo_vllm_one", disable=rank != 0)
-        for step in bar:
-            # GRPO 3. this rank's batch: the groups vLLM sampled, each with the ref server's ref_logps (G, C)
-            t0, deadline = time.time(), cfg.data_timeout + (cfg.startup_timeout if step == 1 else 0)
-            bar.set_description_str(f"waiting for step {step}'s batch" + (" (vLLM starts)" * (step == 1)))
-            taken = [take_group(cfg, stream, deadline, worker)]  # [(group, meta)]
-            for _ in range(taken[0][1]["groups_in_batch"] - 1):
-                taken.append(take_group(cfg, stream, deadline, worker))
-            meta, wait_s = taken[-1][1], time.time() - t0
-            bar.set_description_str("grpo_vllm_one")
-            batch = collate([group for group, _ in taken], tokenizer.pad_token_id)
-            batch = {k: v.to(engine.device) for k, v in batch.items()}
-            lengths = (batch["sampler_logps"] != NO_LOGP).sum(1)  # (B,) the tokens vLLM generated
-            loss_mask = completion_mask(batch["completion_ids"], stop_ids, lengths=lengths)  # (B, C)
-
-            # GRPO 4. the loss on the policy's log-probs, one optimizer step (grpo_step, above)
-            stats, logps = grpo_step(engine, batch, loss_mask, cfg)
-            compute_s = time.time() - t0 - wait_s
-            if step == 1:  # the policy is still where it started, the reference: their log-probs must agree
-                gap = ((logps - batch["ref_logps"]).abs() * loss_mask).sum() / loss_mask.sum().clamp(min=1)
-                if gap > (1e-3 if cfg.dtype == ref_dtype == "float32" else 0.05):
-                    raise SystemExit(f"the ref server's log-probs are {gap:.3g} a token from ours: it serves"
-                                     f" another model than {cfg.model} (ref_server.py --model {cfg.model}?)")
-
-            # GRPO 5. the new weights to vLLM, in memory: into shared memory once it has loaded the last ones
-            if rank == 0 and step < cfg.steps:
-                loaded = lambda: channels["loaded"].value >= step - 1  # noqa: E731
-                wait_until(f"vLLM to load weights {step - 1}", loaded, cfg.data_timeout, worker)
-                for name, tensor in engine.module.state_dict().items():
-                    if name not in buffer:  # the first time: a copy of each weight in shared memory
-                        buffer[name] = torch.empty_like(tensor, device="cpu").share_memory_()
-                    buffer[name].copy_(tensor)
-                channels["weights"].put((step, buffer))
-
-            record = {"step": step, **meta["rollout_figures"], **stats, "wait_s": wait_s,
-                      "policy_lag": step - 1 - min(m["policy_version"] for _, m in taken),
-                      "compute_s": compute_s, "step_s": time.time() - t0}
-            if rank == 0:
-                with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-                    f.write(json.dumps({k: float(f"{v:.6g}") if isinstance(v, float) else v
-                                        for k, v in record.items()}) + "\n")
-                if cfg.log_completions_every and step % cfg.log_completions_every == 0:  # the first group's
-                    group = taken[0][0]
-                    with open(os.path.join(run_dir, "completions.jsonl"), "a") as f:
-                        for ids, reward, advantage in zip(group["completion_ids"], group["rewards"],
-                                                          group["advantages"]):
-                            f.write(json.dumps({"step": step, "prompt": tokenizer.decode(group["prompt_ids"]),
-                                                "completion": tokenizer.decode(ids, skip_special_tokens=True),
-                                                "reward": reward.item(), "advantage": advantage.item()})
-                                    + "\n")
-            bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['accuracy']:.2f}",
-                            kl=f"{record['kl']:.3f}", lag=record["policy_lag"])
-            if (step % cfg.save_every == 0 or step == cfg.steps) and rank == 0:  # ZeRO 0-2: weights whole
-                engine.module.save_pretrained(os.path.join(run_dir, f"step_{step}"))
-                tokenizer.save_pretrained(os.path.join(run_dir, f"step_{step}"))
-    finally:
-        if worker is not None:
-            channels["stop"].set()
-            worker.join(timeout=10)
-            worker.kill()
+    import deepspeed  # the trainer before vLLM, which sizes its cache in the memory left
+    torch.set_num_threads(cfg.threads)
+    random.seed(cfg.seed), torch.manual_seed(cfg.seed)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, cfg.dtype))
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    engine, *_ = deepspeed.initialize(model=model, config=deepspeed_config(cfg))  # AdamW on its parameters
+    engine.train()
+    run_id = [os.urandom(16).hex()]  # a new name for this run's groups in the ref server, rank 0's for all
+    dist.broadcast_object_list(run_id, src=0)
+    worker, weights_queue = start_gen_worker(cfg, run_id[0], world) if rank == 0 else (None, None)
+    stream = f"{run_id[0]}-{rank}"  # the ref server's queue of this rank's groups
     if rank == 0:
-        print(f"done: {run_dir}/step_{cfg.steps}; its page: python tools/view_run.py {run_dir}")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        os.makedirs(run_dir)
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(asdict(cfg), f, indent=1)
+    bar = tqdm(range(1, cfg.steps + 1), desc="grpo_vllm_one", disable=rank != 0)
+    for step in bar:
+        # GRPO 3. this rank's batch: the groups vLLM sampled, each with the ref server's ref_logps (G, C)
+        t0, deadline = time.time(), cfg.data_timeout + (cfg.startup_timeout if step == 1 else 0)
+        taken = []  # [(group, meta)]: as many groups as the first one's meta says
+        while not taken or len(taken) < taken[0][1]["groups_in_batch"]:
+            taken.append(take_group(cfg, stream, deadline, worker))
+        meta, wait_s = taken[-1][1], time.time() - t0
+        batch = collate([group for group, _ in taken], tokenizer.pad_token_id)
+        batch = {k: v.to(engine.device) for k, v in batch.items()}
+        lengths = (batch["sampler_logps"] != NO_LOGP).sum(1)  # (B,) the tokens vLLM generated
+        loss_mask = completion_mask(batch["completion_ids"], meta["stop_ids"], lengths=lengths)  # (B, C)
+
+        # GRPO 4. the loss on the policy's log-probs, one optimizer step (grpo_step, above)
+        stats, logps = grpo_step(engine, batch, loss_mask, cfg)
+        record = {"step": step, **meta["rollout_figures"], **stats, "wait_s": wait_s,
+                  "compute_s": time.time() - t0 - wait_s, "policy_lag": step - 1 - meta["policy_version"]}
+        if step == 1:  # the policy is still where it started, the reference: their log-probs must agree
+            gap = ((logps - batch["ref_logps"]).abs() * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+            if gap > (1e-3 if cfg.dtype == ref_dtype == "float32" else 0.05):
+                raise SystemExit(f"the ref server's log-probs are {gap:.3g} a token off ours: another model?")
+
+        # GRPO 5. the new weights to vLLM, in memory: a copy, which torch's queue moves to shared memory
+        if rank == 0 and step < cfg.steps:
+            weights_queue.put((step, {k: v.to("cpu", copy=True) for k, v in model.state_dict().items()}))
+
+        record["step_s"] = time.time() - t0
+        if rank == 0:
+            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps({k: float(f"{v:.6g}") if isinstance(v, float) else v
+                                    for k, v in record.items()}) + "\n")
+            if cfg.log_completions_every and step % cfg.log_completions_every == 0:  # the first group's
+                group, prompt = taken[0][0], tokenizer.decode(taken[0][0]["prompt_ids"])
+                rows = zip(tokenizer.batch_decode(group["completion_ids"], skip_special_tokens=True),
+                           group["rewards"].tolist(), group["advantages"].tolist())
+                with open(os.path.join(run_dir, "completions.jsonl"), "a") as f:
+                    f.writelines(json.dumps({"step": step, "prompt": prompt, "completion": text, "reward": r,
+                                             "advantage": a}) + "\n" for text, r, a in rows)
+        bar.set_postfix(reward=record["reward_mean"], acc=record["accuracy"], kl=record["kl"])
+        if (step % cfg.save_every == 0 or step == cfg.steps) and rank == 0:  # ZeRO 0-2: weights whole
+            engine.module.save_pretrained(os.path.join(run_dir, f"step_{step}"))
+            tokenizer.save_pretrained(os.path.join(run_dir, f"step_{step}"))
     dist.destroy_process_group()
 
 

@@ -43,12 +43,6 @@ def full_config(**flags):
     return cfg
 
 
-def lesson_config(**flags):
-    cfg = lesson.Config(**flags)
-    cfg.lr = cfg.lr or (1e-4 if os.path.realpath(cfg.model) == os.path.realpath(lesson.Config.model) else 1e-6)
-    return cfg
-
-
 def test_the_lesson_imports_from_the_project_only_grpo_math():
     tree = ast.parse(open(os.path.join(ROOT, "grpo_vllm_one.py")).read())
     modules = {node.module if isinstance(node, ast.ImportFrom) else alias.name
@@ -61,13 +55,13 @@ def test_the_lesson_imports_from_the_project_only_grpo_math():
 def test_the_lessons_flags_have_the_full_trainers_defaults():
     """Every flag the lesson has, the full trainer has too, with the same value at defaults once the defaults that
     follow from other flags are filled in (lr for the model, ref_url), but for where the lesson's runs go."""
-    mine, theirs = lesson_config(), full_config()
+    mine, theirs = lesson.Config(), full_config()
     for f in dataclasses.fields(lesson.Config):
         assert hasattr(theirs, f.name), f"--{f.name} is the lesson's alone"
         if f.name not in OWN_DEFAULTS:
             assert getattr(mine, f.name) == getattr(theirs, f.name), f.name
     assert mine.lr == theirs.lr == 1e-4
-    assert lesson_config(model=SMOLLM2).lr == full_config(model=SMOLLM2).lr == 1e-6
+    assert lesson.Config(model=SMOLLM2).lr == full_config(model=SMOLLM2).lr == 1e-6
 
 
 def test_a_full_trainer_flag_is_refused_by_name_with_the_full_trainers_command():
@@ -151,7 +145,7 @@ def test_the_batch_and_its_masks_are_the_full_trainers():
 @pytest.mark.parametrize("stage", [0, 1, 2])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_deepspeed_config_is_the_full_trainers(stage, dtype):
-    mine = lesson.deepspeed_config(lesson_config(zero_stage=stage, dtype=dtype))
+    mine = lesson.deepspeed_config(lesson.Config(zero_stage=stage, dtype=dtype))
     assert mine == flag_config(full_config(zero_stage=stage, dtype=dtype))
 
 
@@ -161,10 +155,10 @@ def test_the_vllm_settings_are_the_full_trainers(model):
     cfg = full_config(model=model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     stop_ids = problems.stop_token_ids(tokenizer, "chat", model)
-    mine = lesson.vllm_args(lesson_config(model=model), shared_gpu=False)
-    assert mine == vllm_sampler.engine_args(cfg, compile=cfg.gen_compile,
-                                            max_seqs=cfg.batch_prompts * cfg.num_generations)
-    assert lesson.sampling_args(lesson_config(model=model), stop_ids) == vllm_sampler.sampling_args(cfg, stop_ids)
+    engine, sampling = lesson.vllm_args(lesson.Config(model=model), False, stop_ids)  # on its own GPU
+    assert engine == vllm_sampler.engine_args(cfg, compile=cfg.gen_compile,
+                                              max_seqs=cfg.batch_prompts * cfg.num_generations)
+    assert sampling == vllm_sampler.sampling_args(cfg, stop_ids)
 
 
 def a_group():
@@ -178,7 +172,7 @@ def a_group():
 def test_the_wire_is_the_full_trainers_both_ways(server):  # noqa: F811
     """A group the lesson posts comes back to the full trainer's client, and one the full trainer posts to the
     lesson's, through a live ref_server.py, with the same meta and the server's ref_logps (protocol version 2)."""
-    lesson_cfg = lesson_config(ref_url=server)
+    lesson_cfg = lesson.Config(ref_url=server)
     full_cfg = full_config(ref_url=server)
     for post, take in (("lesson", "full"), ("full", "lesson")):
         run_id, group = uuid.uuid4().hex, a_group()

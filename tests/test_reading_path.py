@@ -71,8 +71,8 @@ def test_every_grpo_math_function_the_lesson_imports_is_in_its_traced_step():
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "issue 73's budget is not met yet: grpo_vllm_one.py (budget 420 lines) and ref_server.py (budget 200) are being "
-    "trimmed; the assertion's message has the counts. Strict: once the path fits, this test fails until the mark "
+    "issue 73's budget is not met yet: ref_server.py (budget 200 lines) is being trimmed; the assertion's message "
+    "has the counts. Strict: once the path fits, this test fails until the mark "
     "is removed"))
 def test_the_lessons_reading_path_is_within_issue_73s_budget(lesson):
     path = totals(lesson)
@@ -80,6 +80,12 @@ def test_the_lessons_reading_path_is_within_issue_73s_budget(lesson):
         f"the lesson's reading path is {path['lines']} lines, {path['characters']:,} characters in {path['files']} "
         f"files; issue 73's budget: {BUDGET['lines']} lines, {BUDGET['characters']:,} characters, {BUDGET['files']} "
         f"files\n{report(lesson, 'grpo_vllm_one')}")
+
+
+def test_the_lesson_is_within_issue_73s_budget_for_its_file():
+    lines = file_lines(LESSON)
+    assert len(lines) <= 420, f"{LESSON} is {len(lines)} lines; issue 73's budget: 420"
+    assert max(map(len, lines)) <= 110, [n for n, line in enumerate(lines, 1) if len(line) > 110]
 
 
 def test_the_trainers_file_counts_whole_and_another_files_function_its_whole_span():

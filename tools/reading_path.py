@@ -89,7 +89,8 @@ def trace_script(out, script, args):
 def trace_call(out, target, *args):
     """In a process started by a traced one (the generation process): target(*args), traced into out. The modules
     the child imported before (its parent's script as __mp_main__, with its imports) ran untraced; the parent's
-    trace has their module-level code."""
+    trace has their module-level code. A daemon process, ended by SIGTERM as its parent exits, writes its record too."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with tracing(out):
         target(*args)
 
