@@ -3,7 +3,7 @@
 For each prompt we sample a group of G completions, score them, and push up the log-probability of the
 better-than-average ones (Shao et al. 2024, DeepSeekMath):
 
-    A_i      = (r_i - mean(r_group)) / (std(r_group) + eps)                   group-relative advantage
+    A_i      = (r_i - mean(r_group)) / (std(r_group) + eps)                   group-relative; std: N-1
     ratio_t  = exp(logp_t - old_logp_t)                                        importance ratio per token
     w_t      = min(exp(old_logp_t - vllm_logp_t), tis_cap)                     where vLLM sampled (TIS)
     L_clip_t = -w_t * min(ratio_t * A, clip(ratio_t, 1 - epsilon, 1 + epsilon_high) * A)

@@ -71,8 +71,8 @@ class Config:
     log_completions_every: int = flag(10, "every N steps, one group's completions to completions.jsonl")
     seed: int = flag(0, "seed of the problem draws, the sampling and the trainer")
     threads: int = flag(1, "the trainer's CPU threads (vLLM's process is pinned to the last core)")
-    startup_timeout: float = flag(1200.0, "seconds vLLM may take to start")
-    data_timeout: float = flag(600.0, "seconds to wait for a batch once vLLM is up")
+    startup_timeout: float = flag(1200.0, "more seconds for each group of step 1: vLLM's start-up")
+    data_timeout: float = flag(600.0, "seconds to wait for each group of a batch once vLLM is up")
     peer_timeout: float = flag(30.0, "seconds the ref server may not answer before the run stops")
     local_rank: int = flag(-1, "set by the deepspeed launcher")
 
@@ -181,7 +181,7 @@ def post_group(cfg, tensors, meta):
 
 
 def take_group(cfg, run_id, deadline_s, worker):
-    """This run's oldest finished group, (tensors, meta) with ref_logps (G, C) added. Stops the run if none
+    """This run's oldest finished group, (tensors, meta) with ref_logps (G, C_q) added. Stops the run if none
     comes in deadline_s seconds, or if the generation process dies meanwhile."""
     start = time.time()
     while (r := ref_request(cfg, "GET", "/get", params={"run_id": run_id, "wait": 2})).status_code != 200:
@@ -345,7 +345,7 @@ def parse_flags():
 
 
 def main(cfg):
-    if "RANK" not in os.environ:  # plain `python grpo_vllm_one.py`: a job of one process
+    if "RANK" not in os.environ:  # plain `python grpo_vllm_one.py`: a job of one process (port 0: any free)
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     run_dir = os.path.join(os.environ.get("SIMPLE_GRPO_RUNS", "runs"), cfg.run_name)
@@ -373,7 +373,7 @@ def main(cfg):
             json.dump(asdict(cfg), f, indent=1)
     bar = tqdm(range(1, cfg.steps + 1), desc="grpo_vllm_one", disable=rank != 0)
     for step in bar:
-        # GRPO 3. this rank's batch: the groups vLLM sampled, each with the ref server's ref_logps (G, C)
+        # GRPO 3. this rank's batch: the groups vLLM sampled, each with the ref server's ref_logps (G, C_q)
         t0, deadline = time.time(), cfg.data_timeout + (cfg.startup_timeout if step == 1 else 0)
         taken = []  # [(group, meta)]: as many groups as the first one's meta says
         while not taken or len(taken) < taken[0][1]["groups_in_batch"]:
