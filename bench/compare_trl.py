@@ -69,8 +69,6 @@ sys.path.insert(0, ROOT)
 from bench.harness import (BETA, GROUP, LR, PROMPTS, REWARD_WEIGHTS, TEMPERATURE, TRAIN,  # noqa: E402
                            build_deepspeed_ops, run, wait_peak_rss)
 from simple_grpo.lora import is_adapter_dir  # noqa: E402
-from simple_grpo.run.checkpoints import runs_root  # noqa: E402
-from simple_grpo.run.metrics import read_metrics  # noqa: E402
 from tools import smollm2_recipe  # noqa: E402
 from tools.launch import MODEL, child_env, evaluate, smollm2_warm_start  # noqa: E402
 from simple_grpo.task.problems import SYSTEM_PROMPT  # noqa: E402
@@ -243,16 +241,7 @@ def run_ours(trainer, completion_len, steps, skip, env, seed, world, w, gen_work
     result["peak_rss_mb"] = result.pop("peak_rss_with_ref_mb")  # TRL's figure holds its reference model too
     if trainer in VLLM_TRAINERS:
         result["gen_compile"] = gen_compile and not lesson
-        result.update(policy_lag_seen(name + (f"_seed{seed}" if seed else ""), skip))
     return result
-
-
-def policy_lag_seen(run_name, skip):
-    """The policy lag of each batch the timed steps trained on (batch_lags where the run logs them, at
-    --max_policy_lag >= 2; else each step's policy_lag): mean and max."""
-    rows, _ = read_metrics(os.path.join(ROOT, runs_root(), run_name, "metrics.jsonl"))
-    lags = [lag for r in rows[skip:] for lag in r.get("batch_lags", [r["policy_lag"]])]
-    return {"policy_lag_mean": round(statistics.mean(lags), 2), "policy_lag_max": max(lags)}
 
 
 def result_line(args, system, completion_len, result):

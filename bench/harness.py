@@ -99,7 +99,11 @@ def run(trainer, steps, skip, env, extra, run_name=None, ref_server=True, eval_a
     config = json.load(open(os.path.join(run_dir, "config.json")))
     completions = len(timed) * config["batch_prompts"] * config["num_generations"]
     after = evaluate(os.path.join(runs_root(), run_name, f"step_{steps}"), env, args=eval_args)
-    return {"trainer": trainer,
+    # the policy lag of each batch the timed steps trained on (batch_lags where the full trainer logs them, at
+    # --max_policy_lag >= 2; else each step's policy_lag; grpo_train.py, which samples for itself, logs none)
+    lags = [lag for r in timed if "policy_lag" in r for lag in r.get("batch_lags", [r["policy_lag"]])]
+    lag_figures = {"policy_lag_mean": round(statistics.mean(lags), 2), "policy_lag_max": max(lags)} if lags else {}
+    return {**lag_figures, "trainer": trainer,
             "completions_per_s": round(completions / sum(r["step_s"] for r in timed), 2),
             "s_per_step": round(statistics.median(r["step_s"] for r in timed), 3),
             "s_per_step_iqr": [round(q, 3) for q in statistics.quantiles([r["step_s"] for r in timed])[::2]],
