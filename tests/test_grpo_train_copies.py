@@ -1,8 +1,7 @@
 """grpo_train.py held equal to the full trainer (python -m simple_grpo.train) at defaults: it copies the lesson's
 task, the ref server's client, its flags and DeepSpeed's settings on purpose (it stands alone, with grpo_math.py),
 and samples as simple_grpo/generation/hf_sampler.py does. These tests keep the copies honest, as tests/test_lesson.py
-does for grpo_vllm_one.py."""
-import ast
+does for grpo_vllm_one.py; the checks both lessons share (imports, stop set, prompt, reward) run there for both."""
 import dataclasses
 import os
 import random
@@ -19,11 +18,10 @@ from simple_grpo.generation import hf_sampler
 from simple_grpo.rollouts import collate, make_groups, score_groups
 from simple_grpo.task import problems, rewards
 from simple_grpo.train import Config
-from simple_grpo.trainer.config import check_options
 from simple_grpo.trainer.deepspeed_engine import flag_config, make_engine
 from simple_grpo.trainer.update import grpo_update
 from tests.global_batch_step import whole_weights
-from tests.test_lesson import ANSWER, COMPLETIONS, MODELS, SMOLLM2, a_group, close, same_moves
+from tests.test_lesson import SMOLLM2, a_group, close, full_config, same_moves
 from tests.test_ref_server import server  # noqa: F401 - fixture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,21 +31,6 @@ OWN_DEFAULTS = {"run_name": "demo", "threads": 2}  # where its runs go, and its 
 FULL_TRAINERS = [["--use_peft"], ["--resume"], ["--loss_type", "dapo"], ["--num_iterations", "2"],
                  ["--micro_batch_groups", "1"], ["--report_to", "tensorboard"], ["--preflight"], ["--plan"],
                  ["--loss_impl", "triton"], ["--reward_file", "my_rewards.py"], ["--stop_on", "kl"]]
-
-
-def full_config(**flags):
-    cfg = Config(**flags)
-    check_options(cfg)  # fills in the defaults that depend on other flags (lr, epsilon_high, ...)
-    return cfg
-
-
-def test_grpo_train_imports_from_the_project_only_grpo_math():
-    tree = ast.parse(open(os.path.join(ROOT, "grpo_train.py")).read())
-    modules = {node.module if isinstance(node, ast.ImportFrom) else alias.name
-               for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
-               for alias in node.names}
-    own = {m.split(".")[0] for m in modules} & {os.path.splitext(f)[0] for f in os.listdir(ROOT)}
-    assert own == {"grpo_math"}, own
 
 
 def test_its_flags_have_the_full_trainers_defaults():
@@ -87,25 +70,8 @@ def test_several_ranks_are_refused_naming_the_full_trainer(monkeypatch, tmp_path
     assert not os.listdir(tmp_path)  # refused before anything started
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_the_stop_set_and_the_prompt_are_the_full_trainers(model):
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    assert grpo_train.stop_token_ids(tokenizer, model) == problems.stop_token_ids(tokenizer, "chat", model)
-    assert grpo_train.SYSTEM_PROMPT == problems.SYSTEM_PROMPT
-    for question in ("What is 2 + 3?", "A farmer has 17 sheep.\nAll but 9 run away. How many are left?"):
-        assert grpo_train.make_prompt(tokenizer, question) == problems.make_prompt(tokenizer, question)
-
-
 def test_the_problems_are_the_full_trainers():
     assert grpo_train.load_problems(grpo_train.Config()) == problems.load_data(full_config())
-
-
-def test_the_reward_is_the_full_trainers_on_adversarial_completions():
-    weights = rewards.parse_reward_spec(Config.reward_funcs, Config.reward_weights)
-    for text in COMPLETIONS:
-        theirs = rewards.score(text, rewards.true_answer(ANSWER), weights)
-        assert grpo_train.score(text, ANSWER) == {k: theirs[k] for k in ("correctness", "format", "reward")}, text
-    assert {grpo_train.score(t, ANSWER)["reward"] for t in COMPLETIONS} == {0.0, 0.5, 1.0, 1.5}  # every case met
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

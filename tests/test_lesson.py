@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+import grpo_train
 import grpo_vllm_one as lesson
 from grpo_math import completion_mask
 from simple_grpo import protocol
@@ -43,8 +44,12 @@ def full_config(**flags):
     return cfg
 
 
-def test_the_lesson_imports_from_the_project_only_grpo_math():
-    tree = ast.parse(open(os.path.join(ROOT, "grpo_vllm_one.py")).read())
+LESSONS = [pytest.param(lesson, id="grpo_vllm_one"), pytest.param(grpo_train, id="grpo_train")]  # the copies both hold
+
+
+@pytest.mark.parametrize("script", ["grpo_vllm_one.py", "grpo_train.py"])
+def test_the_lessons_import_from_the_project_only_grpo_math(script):
+    tree = ast.parse(open(os.path.join(ROOT, script)).read())
     modules = {node.module if isinstance(node, ast.ImportFrom) else alias.name
                for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
                for alias in node.names}
@@ -79,13 +84,14 @@ def test_a_value_the_lesson_cannot_take_is_refused_by_name(flags):
     assert out.returncode != 0 and f"{flags[0]} {flags[1]}" in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("script", LESSONS)
 @pytest.mark.parametrize("model", MODELS)
-def test_the_stop_set_and_the_prompt_are_the_full_trainers(model):
+def test_the_stop_set_and_the_prompt_are_the_full_trainers(model, script):
     tokenizer = AutoTokenizer.from_pretrained(model)
-    assert lesson.stop_token_ids(tokenizer, model) == problems.stop_token_ids(tokenizer, "chat", model)
-    assert lesson.SYSTEM_PROMPT == problems.SYSTEM_PROMPT
+    assert script.stop_token_ids(tokenizer, model) == problems.stop_token_ids(tokenizer, "chat", model)
+    assert script.SYSTEM_PROMPT == problems.SYSTEM_PROMPT
     for question in ("What is 2 + 3?", "A farmer has 17 sheep.\nAll but 9 run away. How many are left?"):
-        assert lesson.make_prompt(tokenizer, question) == problems.make_prompt(tokenizer, question)
+        assert script.make_prompt(tokenizer, question) == problems.make_prompt(tokenizer, question)
 
 
 ANSWER = "She has 3 + 4 = 7 apples.\n#### 1,007"
@@ -104,12 +110,13 @@ COMPLETIONS = [
 ]
 
 
-def test_the_reward_is_the_full_trainers_on_adversarial_completions():
+@pytest.mark.parametrize("script", LESSONS)
+def test_the_reward_is_the_full_trainers_on_adversarial_completions(script):
     weights = rewards.parse_reward_spec(Config.reward_funcs, Config.reward_weights)
     for text in COMPLETIONS:
         theirs = rewards.score(text, rewards.true_answer(ANSWER), weights)
-        assert lesson.score(text, ANSWER) == {k: theirs[k] for k in ("correctness", "format", "reward")}, text
-    assert {lesson.score(t, ANSWER)["reward"] for t in COMPLETIONS} == {0.0, 0.5, 1.0, 1.5}  # every case met
+        assert script.score(text, ANSWER) == {k: theirs[k] for k in ("correctness", "format", "reward")}, text
+    assert {script.score(t, ANSWER)["reward"] for t in COMPLETIONS} == {0.0, 0.5, 1.0, 1.5}  # every case met
 
 
 def groups_as_posted(pad_id, stop_id):
