@@ -8,7 +8,7 @@
 # Both create .venv/ and install the requirements on first use (tools/install.sh).
 PY := .venv/bin/python
 
-.PHONY: install demo demo-real test test-all test-gpu notebook bench-gpu bench-trl bench-trl-real bench-lora data model smollm2 probe report chromium clean
+.PHONY: install demo demo-real test test-all test-gpu notebook bench-gpu bench-trl bench-lags bench-trl-real bench-lora data model smollm2 probe report chromium clean
 
 install:
 	@bash tools/install.sh
@@ -77,7 +77,16 @@ bench-trl: install
 	@bash tools/install.sh requirements-bench.txt
 	$(PY) bench/compare_trl.py --steps 30 --skip 3 --lengths 32,256 --systems trl,grpo_train,full,grpo_vllm_one
 
-# The same on SmolLM2-135M-Instruct, make demo-real's recipe (docs/real_model.md); its warm start is made first (cached).
+# Deeper asynchrony (docs/benchmarks.md, "Several batches per vLLM call"): the full trainer at --max_policy_lag 1, 2
+# and 4 (each worker samples up to that many batches in one vLLM call), with one and two generation workers, beside
+# TRL, at 32 and 256 tokens, a table at the end (~40 minutes on 2 cores); then one worker's vLLM call of 1, 2 and 4
+# batches timed alone: whether a longer call is cheaper per batch.
+bench-lags: install
+	@bash tools/install.sh requirements-bench.txt
+	$(PY) bench/compare_trl.py --steps 30 --skip 3 --lengths 32,256 --systems trl,full --gen_workers 1,2 --lags 1,2,4
+	$(PY) bench/sampling.py --block_sizes 32 --batches 1,2,4 --repeats 6
+
+# make bench-trl on SmolLM2-135M-Instruct, make demo-real's recipe (docs/real_model.md); its warm start is made first (cached).
 bench-trl-real: smollm2
 	@bash tools/install.sh requirements-bench.txt
 	$(PY) bench/compare_trl.py --world smollm2 --steps 20 --skip 3 --lengths 64 --systems trl,full

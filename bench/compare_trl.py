@@ -54,7 +54,8 @@ Prints one JSON line per system and length, on stdout (all logs go to stderr):
   accuracy_after     greedy test accuracy of the final model (tools/launch.py's evaluate -> evaluate.py)
   completion_len_mean  mean completion length in tokens (should be L)
   policy_lag_mean, policy_lag_max  (the vLLM trainers) the policy lag of the batches the timed steps trained on
-then one line per length with the ratios of our completions_per_s to TRL's.
+then one line per length with the ratios of our completions_per_s to TRL's; at the end, on stderr, the same
+figures as a markdown table (`table`).
 """
 import argparse
 import json
@@ -251,6 +252,21 @@ def result_line(args, system, completion_len, result):
             "steps": args.steps, "timed_steps": args.steps - args.skip}
 
 
+def table(results):
+    """The results as a markdown table, a row per system and length (TRL's row first): completions/s and its ratio
+    to TRL's at that length, s/step (median and quartiles), the policy lag seen (mean / max), peak memory."""
+    trl = {r["completion_len"]: r["completions_per_s"] for r in results if r["system"] == "trl"}
+    rows = ["| system | L | completions/s | x TRL | s/step median (quartiles) | policy lag mean / max | peak MB |",
+            "|---|---|---|---|---|---|---|"]
+    for r in sorted(results, key=lambda r: (r["completion_len"], r["system"] != "trl")):
+        ratio = f"{r['completions_per_s'] / trl[r['completion_len']]:.2f}" if r["completion_len"] in trl else ""
+        iqr = f" ({r['s_per_step_iqr'][0]:.3f}-{r['s_per_step_iqr'][1]:.3f})" if "s_per_step_iqr" in r else ""
+        lag = f"{r['policy_lag_mean']} / {r['policy_lag_max']}" if "policy_lag_mean" in r else ""
+        rows.append(f"| {r['system']} | {r['completion_len']} | {r['completions_per_s']} | {ratio} | "
+                    f"{r['s_per_step']:.3f}{iqr} | {lag} | {r['peak_rss_mb']} |")
+    return "\n".join(rows)
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=30)
@@ -302,7 +318,7 @@ def main(argv=None):
     lags = [int(lag) for lag in args.lags.split(",")] if args.lags is not None else [None]
     runs = [(s, k, lag) for s in systems for k in (worker_counts if s == "full" else [1])
             for lag in (lags if s == "full" else [None])]
-    speed = {}
+    speed, results = {}, []
     for completion_len in lengths:
         for system, k, lag in runs:
             name = system + (f"_k{k}" if k > 1 else "") + (f"_lag{lag}" if lag is not None else "")
@@ -315,6 +331,7 @@ def main(argv=None):
                 result["ours_flags"] = args.ours_flags
             result = result_line(args, name, completion_len, result)
             speed[name, completion_len] = result["completions_per_s"]
+            results.append(result)
             print(json.dumps(result), file=results_out, flush=True)
     if "trl" in systems and len(runs) > 1:
         for completion_len in lengths:
@@ -322,6 +339,7 @@ def main(argv=None):
                       for name, length in speed if length == completion_len and name != "trl"}
             print(json.dumps({"completion_len": completion_len, "completions_per_s_vs_trl": ratios}),
                   file=results_out, flush=True)
+    print(table(results), file=sys.stderr, flush=True)  # the same figures to read (stdout keeps the JSON lines)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""bench/sampling.py: one generation worker's sampling time per batch, by vLLM's KV-cache block size.
+"""bench/sampling.py: one generation worker's sampling time per batch, by vLLM's KV-cache block size, and by the
+batches sampled in one vLLM call.
 
     python bench/sampling.py [--lengths 32,256] [--block_sizes 128,32] [--repeats 8] [--gen_compile off]
+    python bench/sampling.py --block_sizes 32 --batches 1,2,4    # issue 74: does a call of k batches pay?
 
 As grpo_vllm_one.py's worker does on a CPU (simple_grpo/generation/vllm_sampler.py: start_vllm,
 sample), on one core of its own: the tiny default model samples batches of 8 problems x 8 completions from the toy task,
@@ -10,6 +12,10 @@ prefix caching): 128-token blocks (vLLM's CPU default) share nothing of a prompt
 128 tokens, and one block of a longer one; 32-token blocks (vllm_sampler.CPU_BLOCK_SIZE) share
 all but its last few tokens. Also times the prompts alone (L = 1). Prints one JSON line per
 block size and length: the median seconds per batch over --repeats (the first batch excluded).
+--batches 1,2,4 samples k batches (k x 8 problems) in each vLLM call, as the full trainer's worker does at
+--max_policy_lag k, and prints a line per k too: s_per_call, s_per_batch (s_per_call / k) and ms_per_token_step
+(s_per_call / L: the time of one decode step of all k x 64 sequences, prefill spread over it). A call of k batches
+pays when s_per_batch falls with k.
 """
 import argparse
 import contextlib
@@ -36,7 +42,11 @@ def main():
     ap.add_argument("--block_sizes", default="128,32", help="vLLM KV-cache block sizes (multiples of 32 on a CPU)")
     ap.add_argument("--repeats", type=int, default=8, help="batches per length (the first is not counted)")
     ap.add_argument("--gen_compile", default="off", choices=["off", "on"], help="torch.compile vLLM's model")
+    ap.add_argument("--batches", default="1", help="batches sampled in one vLLM call, comma-separated, e.g. 1,2,4")
     args = ap.parse_args()
+    batches = [int(k) for k in args.batches.split(",")]
+    if min(batches) < 1:
+        raise SystemExit(f"--batches {args.batches}: each count must be 1 or more")
     if args.repeats < 2:
         raise SystemExit("--repeats must be at least 2: the first batch is not counted")
     cfg = SamplerConfig(model=os.path.join(ROOT, "models", "tiny-math"), max_model_len=512, num_generations=GROUP,
@@ -53,22 +63,29 @@ def main():
                 print(line, file=sys.stdout if line.startswith('{"block_size"') else sys.stderr, flush=True)
         return
     os.sched_setaffinity(0, cores)
-    llm = start_vllm(cfg, compile=cfg.gen_compile, block_size=block_size)
+    # with --batches: room for the largest call in one engine for every k (max_num_seqs, as the full trainer sets it)
+    llm = start_vllm(cfg, compile=cfg.gen_compile, block_size=block_size,
+                     max_seqs=max(batches) * cfg.batch_prompts * cfg.num_generations if max(batches) > 1 else None)
     tokenizer, problems, rng = llm.get_tokenizer(), load_data(cfg), random.Random(0)
     stop_ids = stop_token_ids(tokenizer, cfg.prompt_format)
     for length in [1] + [int(x) for x in args.lengths.split(",")]:
         run_cfg = dataclasses.replace(cfg, max_new_tokens=length, min_new_tokens=length)
-        times = []
-        for _ in range(args.repeats):
-            prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format, cfg.system_prompt)
-                       for p in rng.sample(problems, cfg.batch_prompts)]
-            t0 = time.time()
-            sample(llm, prompts, run_cfg, stop_ids)
-            times.append(time.time() - t0)
-        print(json.dumps({"block_size": block_size, "completion_len": length, "gen_compile": cfg.gen_compile,
-                          "s_per_batch": round(statistics.median(times[1:]), 4),
-                          "min_s": round(min(times[1:]), 4), "max_s": round(max(times[1:]), 4),
-                          "completions": cfg.batch_prompts * cfg.num_generations}), flush=True)
+        for k in batches:
+            times = []
+            for _ in range(args.repeats):
+                prompts = [make_prompt(tokenizer, p["question"], cfg.prompt_format, cfg.system_prompt)
+                           for p in rng.sample(problems, k * cfg.batch_prompts)]
+                t0 = time.time()
+                sample(llm, prompts, run_cfg, stop_ids)
+                times.append(time.time() - t0)
+            call = statistics.median(times[1:])
+            line = {"block_size": block_size, "completion_len": length, "gen_compile": cfg.gen_compile,
+                    "s_per_batch": round(call / k, 4), "min_s": round(min(times[1:]) / k, 4),
+                    "max_s": round(max(times[1:]) / k, 4), "completions": cfg.batch_prompts * cfg.num_generations}
+            if args.batches != "1":
+                line.update(batches_per_call=k, s_per_call=round(call, 4),
+                            ms_per_token_step=round(1000 * call / length, 2))
+            print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":

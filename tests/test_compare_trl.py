@@ -123,3 +123,17 @@ def test_a_lora_checkpoint_as_start_is_told_to_merge_it_first(tmp_path):
     (adapters / "tokenizer.json").write_text("{}")
     with pytest.raises(SystemExit, match=r"lacks config\.json \(it holds LoRA adapters: `python tools/merge_lora\.py"):
         compare_trl.world_settings("smollm2", {}, str(adapters))
+
+
+def test_the_table_gives_each_row_its_ratio_to_trl_at_its_length_and_the_lag_seen():
+    lines = [{"system": "trl", "completion_len": 32, "completions_per_s": 20.0, "s_per_step": 3.2, "peak_rss_mb": 1800},
+             {"system": "full_lag2", "completion_len": 32, "completions_per_s": 130.0, "s_per_step": 0.4,
+              "s_per_step_iqr": [0.25, 0.79], "policy_lag_mean": 1.52, "policy_lag_max": 2, "peak_rss_mb": 3200},
+             {"system": "full_lag1", "completion_len": 256, "completions_per_s": 32.0, "s_per_step": 1.85,
+              "s_per_step_iqr": [1.46, 2.25], "policy_lag_mean": 1, "policy_lag_max": 1, "peak_rss_mb": 3800},
+             {"system": "trl", "completion_len": 256, "completions_per_s": 8.0, "s_per_step": 7.2, "peak_rss_mb": 3000}]
+    rows = compare_trl.table(lines).splitlines()[2:]
+    assert rows == ["| trl | 32 | 20.0 | 1.00 | 3.200 |  | 1800 |",
+                    "| full_lag2 | 32 | 130.0 | 6.50 | 0.400 (0.250-0.790) | 1.52 / 2 | 3200 |",
+                    "| trl | 256 | 8.0 | 1.00 | 7.200 |  | 3000 |",
+                    "| full_lag1 | 256 | 32.0 | 4.00 | 1.850 (1.460-2.250) | 1 / 1 | 3800 |"]

@@ -116,11 +116,28 @@ def test_the_analysis_gives_the_8_registered_comparisons_and_the_secondary_ones(
     assert not partial["complete"] and partial["registered"]["lag 4 - lag 1, tis_cap 0, same budget"]["seeds"] == [0, 1]
 
 
-@pytest.mark.parametrize("flags, refusal", [(["--steps_lagk", "660"], "a multiple of 25"),
-                                            (["--steps_lag1", "600"], "at least 650"),
-                                            (["--analyse_only", "--name", "test_lag_study_none"], "no run of the study"),
-                                            (["--dry_run", "--analyse_only"], "pick one")])
+@pytest.mark.parametrize("flags, refusal", [
+    (["--steps_lagk", "660"], "a multiple of 25"),
+    (["--steps_lag1", "600"], "at least 650"),
+    (["--analyse_only", "--name", "test_lag_study_none"], "no run of the study"),
+    (["--dry_run", "--analyse_only"], "pick one")])
 def test_flags_it_cannot_act_on_are_refused_by_name(flags, refusal):
     done = subprocess.run([sys.executable, "tools/lag_study.py", *flags], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode != 0 and refusal in done.stderr
+
+
+def test_the_curves_put_each_run_on_the_trainers_clock(tmp_path):
+    runs = {}
+    for cap in (2, 0):
+        for lag in (1, 2):
+            name = f"test_lag_study_curves_lag{lag}_cap{cap}_seed0"
+            os.makedirs(os.path.join(ROOT, runs_root(), name), exist_ok=True)
+            with open(os.path.join(ROOT, runs_root(), name, "metrics.jsonl"), "w") as f:
+                for step in range(1, 81):
+                    f.write(json.dumps({"step": step, "step_s": 0.5 * lag, "accuracy": step / 100}) + "\n")
+                f.write(json.dumps({"step": 40, "warning": "kl", "message": "a doctor's row: no step_s"}) + "\n")
+            runs[name] = {"lag": lag, "cap": cap, "seed": 0}
+    lag_study.plot_curves(runs, str(tmp_path / "curves.png"))
+    with open(tmp_path / "curves.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -200,6 +200,7 @@ def test_the_ref_server_hands_each_run_its_own_groups_and_drops_stale_ones():
 @pytest.mark.slow
 @pytest.mark.parametrize("trainer, stage, workers, options", [("full", 3, 1, []), ("full", 2, 2, []),
                                                              ("full", 3, 1, ["--micro_batch_groups", "1"]),
+                                                             ("full", 2, 1, ["--max_policy_lag", "2"]),
                                                              ("grpo_vllm_one", 2, 1, [])])
 def test_two_ranks_with_a_ref_server(trainer, stage, workers, options):
     """deepspeed --num_gpus 2 (grpo_train.py runs one process: tests/test_grpo_train.py checks it says so):
@@ -207,11 +208,12 @@ def test_two_ranks_with_a_ref_server(trainer, stage, workers, options):
     server routes by run_id, and under ZeRO-3 both ranks gather the weights for each sync; with
     --gen_every 1 two workers (one per rank, as on two nodes) feed the one server. Every group comes
     back, rank 0 logs, the checkpoint is whole, and no process is left behind. With --micro_batch_groups 1
-    the ranks' batches hold different numbers of groups (those with signal) and still step together."""
+    the ranks' batches hold different numbers of groups (those with signal) and still step together. With
+    --max_policy_lag 2 the worker samples several batches a call, and no rank's batch trains beyond the bound."""
     import psutil
     import requests
     import time
-    port, run = free_port(), f"test_two_ranks_{trainer}_{workers}{'_micro' if options else ''}"
+    port, run = free_port(), f"test_two_ranks_{trainer}_{workers}{'_' + options[0].strip('-') if options else ''}"
     extra = (["--gen_every", "1"] if workers == 2 else []) + options
     server = start_ref_server(port, os.environ, stdout=subprocess.DEVNULL)  # stops the test if it does not start
     launcher, family, spawned = None, [], set()  # the run's launcher; every process of the run; its workers
@@ -238,6 +240,9 @@ def test_two_ranks_with_a_ref_server(trainer, stage, workers, options):
         assert launcher.returncode == 0, out[-4000:]
         rows = [json.loads(line) for line in open(os.path.join(runs_root(), run, "metrics.jsonl"))]
         assert [r["step"] for r in rows] == [1, 2, 3]
+        if "--max_policy_lag" in options:  # every rank's batch, each step: within the bound
+            assert all(len(r["batch_lags"]) == 2 and max(r["batch_lags"]) <= 2 for r in rows), rows
+            assert max(r["gen_call_batches"] for r in rows) == 2, rows  # a call sampled two batches
         from safetensors.torch import load_file
         saved = load_file(os.path.join(runs_root(), run, "step_3", "model.safetensors"))
         assert sum(t.numel() for t in saved.values()) > 1_000_000  # whole, not ZeRO-3 shards

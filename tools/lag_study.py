@@ -19,7 +19,8 @@ Evaluated (evaluate.py's defaults: greedy, 64 new tokens, the 500 test problems,
           (same seed and cap) summed step_s over steps 2..650 (the same wall-clock budget).
 The comparisons (lag k - lag 1, paired per problem, each problem's difference averaged over the seeds, 95% normal
 interval over the 500 problems), their wording (`wording`) and the secondary ones are the plan's, word for word.
-Everything lands in runs/NAME/ (runs.json as the runs finish, report.json at the end).
+Everything lands in runs/NAME/ (runs.json as the runs finish; report.json and curves.png, training accuracy against
+the clock, at the end).
 """
 import argparse
 import json
@@ -242,6 +243,35 @@ def analyse(runs):
     return report
 
 
+def plot_curves(runs, path, window=50):
+    """Training accuracy (each step's batch, a running mean over `window` steps) against the trainer's summed step_s,
+    a panel per cap, a colour per lag, a line per seed: how fast each lag learns on the clock. A description
+    beside the registered comparisons, with no interval."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(CAPS), figsize=(11, 4), sharey=True)
+    for ax, cap in zip(axes, CAPS):
+        for name, entry in sorted(((n, r) for n, r in runs.items() if r["cap"] == cap),
+                                  key=lambda item: (item[1]["lag"], item[1]["seed"])):
+            with open(os.path.join(ROOT, runs_root(), name, "metrics.jsonl")) as f:
+                rows = [row for row in map(json.loads, f) if "step_s" in row]
+            clock, accuracy, total = [], [], 0.0
+            for i, row in enumerate(rows):
+                total += row["step_s"] if row["step"] >= 2 else 0.0  # step 1 holds vLLM's start-up, as the budget
+                recent = rows[max(0, i + 1 - window):i + 1]
+                clock.append(total / 60)
+                accuracy.append(sum(r["accuracy"] for r in recent) / len(recent))
+            ax.plot(clock, accuracy, color=f"C{LAGS.index(entry['lag'])}", alpha=0.8, linewidth=1,
+                    label=f"lag {entry['lag']}" if entry["seed"] == min(r["seed"] for r in runs.values()) else None)
+        ax.set(title=f"--tis_cap {cap}", xlabel="trainer minutes (summed step_s, from step 2)")
+        ax.legend()
+    axes[0].set_ylabel(f"training accuracy, mean of {window} steps")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def print_report(report):
     print("The registered comparisons (95% intervals in points, paired per problem; each read on its own, no "
           "correction for multiplicity):")
@@ -293,6 +323,8 @@ def main():
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
     print_report(report)
+    plot_curves(runs, os.path.join(out, "curves.png"))
+    print(f"Training accuracy against the clock: {os.path.join(out, 'curves.png')}")
     print(json.dumps({"complete": report["complete"]}))
 
 
