@@ -32,7 +32,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from simple_grpo.evaluation import across_seeds, paired_gain, problem_score, read_details  # noqa: E402
-from simple_grpo.run.checkpoints import runs_root  # noqa: E402
+from simple_grpo.run.checkpoints import checkpoint_dirs, runs_root  # noqa: E402
 from tools.launch import (ROOT, TEST, TINY_WORLD_FLAGS, TRAINER_ARGS, child_env, evaluate, free_port,  # noqa: E402
                           git_commit, run_child, start_ref_server, stop)
 
@@ -105,8 +105,8 @@ def budget_step(seconds, b, saved_steps):
 
 
 def saved_steps(run_dir):
-    return [int(d.split("_", 1)[1]) for d in os.listdir(run_dir)
-            if d.startswith("step_") and d.split("_", 1)[1].isdigit()]
+    """The steps of a run's complete checkpoints (checkpoints.checkpoint_dirs), oldest first."""
+    return [int(d.rsplit("_", 1)[1]) for d in checkpoint_dirs(run_dir)]
 
 
 def evaluate_once(model, details, env, dry_run):
