@@ -97,11 +97,13 @@ def budget(seconds, upto=SAME_STEPS):
 def budget_step(seconds, b, saved_steps):
     """(N, reached_last): the last saved step N whose summed step_s over steps 2..N is at most b; reached_last when N
     is the run's last saved step (the run may have had budget to spare). None when no saved step fits."""
-    fits = [n for n in sorted(saved_steps) if n >= 2 and all(s in seconds for s in range(2, n + 1))
-            and sum(seconds[s] for s in range(2, n + 1)) <= b]
-    if not fits:
-        return None
-    return fits[-1], fits[-1] == max(saved_steps)
+    saved, total, last_fit = set(saved_steps), 0.0, None
+    for n in range(2, max(saved) + 1):  # one running sum: step times are never negative
+        if n not in seconds or total + seconds[n] > b:
+            break
+        total += seconds[n]
+        last_fit = n if n in saved else last_fit
+    return None if last_fit is None else (last_fit, last_fit == max(saved))
 
 
 def saved_steps(run_dir):
